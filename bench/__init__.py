@@ -1,0 +1,1 @@
+"""ringcore-bench and the side-by-side comparison with Gloo and OpenMPI."""

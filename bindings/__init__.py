@@ -1,0 +1,1 @@
+"""Framework adapters (PyTorch, JAX): they convert, never reimplement."""

@@ -1,0 +1,121 @@
+"""Every ``RINGCORE_*`` environment variable, parsed once into a frozen dataclass.
+
+This is the only module that reads ``RINGCORE_*`` variables. Launcher
+conventions of torchrun, OpenMPI and Slurm are read in
+:mod:`ringcore.rendezvous` (discovery), never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from ringcore.errors import ConfigError
+
+KIB = 1024
+MIB = 1024 * KIB
+
+_SUFFIXES = {"": 1, "K": KIB, "M": MIB, "G": 1024 * MIB}
+
+
+def parse_size(text: str, name: str = "size") -> int:
+    """Parse ``"512K"``, ``"4M"``, ``"1G"`` or a plain byte count."""
+    raw = text.strip().upper().removesuffix("B").removesuffix("I")
+    suffix = raw[-1:] if raw[-1:] in "KMG" and raw[-1:] else ""
+    number = raw[: len(raw) - len(suffix)]
+    try:
+        value = int(float(number) * _SUFFIXES[suffix])
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a size; use e.g. 4096, 512K, 4M or 1G") from None
+    if value < 0:
+        raise ConfigError(f"{name}={text!r} must not be negative")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Tunables and launcher-provided identity, from ``RINGCORE_*`` variables.
+
+    Identity fields are ``None`` when the variable is unset, so discovery can
+    fall back to other launchers' conventions.
+    """
+
+    rank: int | None = None
+    size: int | None = None
+    local_rank: int | None = None
+    local_size: int | None = None
+    addr: str | None = None
+    port: int | None = None
+    ifname: str | None = None
+    timeout: float = 300.0
+    init_timeout: float = 120.0
+    channels: int = 1
+    segment_bytes: int = 512 * KIB
+    small_bytes: int = 64 * KIB
+    socket_buffer: int = 4 * MIB
+    log_level: str = "WARNING"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Read every ``RINGCORE_*`` variable from ``env`` (default: ``os.environ``)."""
+        env = os.environ if env is None else env
+        reader = _Reader(env)
+        return cls(
+            rank=reader.int("RINGCORE_RANK", None, minimum=0),
+            size=reader.int("RINGCORE_SIZE", None, minimum=1),
+            local_rank=reader.int("RINGCORE_LOCAL_RANK", None, minimum=0),
+            local_size=reader.int("RINGCORE_LOCAL_SIZE", None, minimum=1),
+            addr=env.get("RINGCORE_ADDR") or None,
+            port=reader.int("RINGCORE_PORT", None, minimum=1, maximum=65535),
+            ifname=env.get("RINGCORE_IFNAME") or None,
+            timeout=reader.float("RINGCORE_TIMEOUT", cls.timeout),
+            init_timeout=reader.float("RINGCORE_INIT_TIMEOUT", cls.init_timeout),
+            channels=reader.int("RINGCORE_CHANNELS", cls.channels, minimum=1, maximum=64),
+            segment_bytes=reader.size("RINGCORE_SEGMENT_BYTES", cls.segment_bytes, minimum=4 * KIB),
+            small_bytes=reader.size("RINGCORE_SMALL_BYTES", cls.small_bytes, minimum=0),
+            socket_buffer=reader.size("RINGCORE_SOCKET_BUFFER", cls.socket_buffer, minimum=0),
+            log_level=env.get("RINGCORE_LOG_LEVEL", cls.log_level).upper(),
+        )
+
+
+class _Reader:
+    """Typed access to an environment mapping with errors that name the variable."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = env
+
+    def int(self, name: str, default: int | None, minimum: int = 0, maximum: int | None = None) -> int | None:
+        text = self.env.get(name, "").strip()
+        if not text:
+            return default
+        try:
+            value = int(text)
+        except ValueError:
+            raise ConfigError(f"{name}={text!r} is not an integer") from None
+        return _bounded(name, value, minimum, maximum)
+
+    def float(self, name: str, default: float) -> float:
+        text = self.env.get(name, "").strip()
+        if not text:
+            return default
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(f"{name}={text!r} is not a number of seconds") from None
+        if not value > 0:
+            raise ConfigError(f"{name}={text!r} must be a positive number of seconds")
+        return value
+
+    def size(self, name: str, default: int, minimum: int) -> int:
+        text = self.env.get(name, "").strip()
+        if not text:
+            return default
+        return _bounded(name, parse_size(text, name), minimum, None)
+
+
+def _bounded(name: str, value: int, minimum: int, maximum: int | None) -> int:
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = f" and at most {maximum}" if maximum is not None else ""
+        raise ConfigError(f"{name}={value} must be at least {minimum}{upper}")
+    return value
