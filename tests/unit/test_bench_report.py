@@ -377,3 +377,12 @@ def test_cli_defaults_follow_nccl_tests() -> None:
     assert report.size_sweep(report.parse_size(args.minbytes), report.parse_size(args.maxbytes), 2) == [
         8 * M << i for i in range(6)
     ]
+
+
+@pytest.mark.parametrize("test", report.TESTS)
+@pytest.mark.parametrize("op", report.OPS)
+def test_expected_in_bfloat16(test: str, op: str) -> None:
+    pytest.importorskip("ml_dtypes")
+    dt = report.numpy_dtype("bfloat16")
+    for rank, got in enumerate(_simulate(test, op, dt, 4, 32, root=1)):
+        assert data.count_wrong(got, data.expected(test, rank, 4, 32, op, dt, 1), op) == 0
