@@ -1,0 +1,1 @@
+"""Collective algorithms as schedules: pure data, run by :mod:`ringcore.algo.execute`."""

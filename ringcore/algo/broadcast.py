@@ -1,0 +1,63 @@
+"""Pipelined chain broadcast along the ring, and the dissemination barrier.
+
+Broadcast, theory of operation. Ranks form a chain root, root+1, ..., root-1.
+The root sends its buffer in segments to root+1; every other rank receives
+each segment into WORK and forwards it to its right neighbour as soon as it
+has arrived, so all links carry data at once after a short fill. The last
+rank closes the ring with a zero-byte acknowledgement to the root: every rank
+has then received a frame and checked the collective's signature, so ranks
+that disagree all fail, the root included.
+
+Cost: N-1+segments-1 segment times end to end; each rank sends and receives
+the buffer once (busbw factor 1).
+
+Barrier (dissemination): in round k rank r sends an empty frame to r+2^k and
+receives one from r-2^k; after ceil(log2 N) rounds every rank has heard,
+directly or not, from all others.
+"""
+
+from __future__ import annotations
+
+from ringcore.algo.ring import neighbours
+from ringcore.algo.steps import Buf, Region, Schedule, Step, segment_count
+
+_EMPTY = Region(Buf.WORK, 0, 0)
+
+
+def broadcast(rank: int, size: int, root: int, count: int, itemsize: int, segment_bytes: int) -> Schedule:
+    """Chain broadcast from ``root``; non-roots' result is WORK, the root's is unchanged."""
+    left, right = neighbours(rank, size)
+    segments = segment_count(count, itemsize, segment_bytes)
+    position = (rank - root) % size
+    if position == 0:
+        steps = (
+            Step(right, Region(Buf.USER, 0, count), phase=0),
+            Step(recv_peer=left, recv=_EMPTY, whole=True, phase=1),
+        )
+        return Schedule(steps, segments, None)
+    data = Region(Buf.WORK, 0, count)
+    forward = (
+        Step(right, data, phase=0)
+        if position < size - 1
+        else Step(right, _EMPTY, whole=True, phase=1)
+    )
+    return Schedule((Step(recv_peer=left, recv=data, phase=0), forward), segments, data)
+
+
+def barrier(rank: int, size: int) -> Schedule:
+    """Dissemination barrier: ceil(log2 N) rounds of empty frames."""
+    steps = []
+    distance, phase = 1, 0
+    while distance < size:
+        steps.append(
+            Step(
+                (rank + distance) % size,
+                _EMPTY,
+                (rank - distance) % size,
+                _EMPTY,
+                whole=True,
+                phase=phase,
+            )
+        )
+        distance, phase = distance * 2, phase + 1
+    return Schedule(tuple(steps), 1, None)

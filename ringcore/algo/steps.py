@@ -1,0 +1,102 @@
+"""Step types and the chunk / segment arithmetic every schedule shares.
+
+Words, as Gloo uses them: a *chunk* is the part of a buffer one rank is
+responsible for (N chunks, ``np.array_split`` boundaries); a *segment* is the
+pipelined piece of a region that travels as one frame. Every region of a
+schedule is cut into the same number of segments (``Schedule.segments``), so
+segment ``k`` of step ``s`` depends only on segment ``k`` of earlier steps and
+the executor can pipeline step ``s+1`` of segment ``k`` with step ``s`` of
+segment ``k+1``.
+
+A schedule names buffers, not arrays: ``USER`` is the caller's memory (read
+only, until the comm commits the result), ``WORK`` a scratch buffer of the
+same length in the wire dtype, ``STAGE`` a second scratch for algorithms that
+receive a whole peer vector before combining it (recursive doubling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+
+class Buf(enum.IntEnum):
+    """The buffers a schedule refers to."""
+
+    USER = 0
+    WORK = 1
+    STAGE = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """``count`` elements of buffer ``buf`` starting at element ``start``."""
+
+    buf: Buf
+    start: int
+    count: int
+
+    def segment(self, k: int, segments: int) -> Region:
+        """Segment ``k`` of ``segments`` (``np.array_split`` rule: the first ones are longer)."""
+        start, count = split_bounds(self.count, segments, k)
+        return Region(self.buf, self.start + start, count)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What one rank does in one step: send, receive, then combine what it received.
+
+    Attributes:
+        send_peer / send: a region to send to a peer.
+        recv_peer / recv: a region to receive from a peer (always WORK or STAGE).
+        reduce: ``(dst, a, b)``: after the receive, ``dst = op(a, b)``.
+        final: the reduce yields final values (``avg`` divides by the world size).
+        whole: not pipelined: one frame for the whole step, after every segment
+            of the earlier steps is done (acknowledgements, barriers).
+        phase: the step number written in frame tags; sender and receiver of a
+            frame use the same phase even when their step lists differ.
+    """
+
+    send_peer: int | None = None
+    send: Region | None = None
+    recv_peer: int | None = None
+    recv: Region | None = None
+    reduce: tuple[Region, Region, Region] | None = None
+    final: bool = False
+    whole: bool = False
+    phase: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A rank's steps for one collective, and where its result ends up."""
+
+    steps: tuple[Step, ...]
+    segments: int
+    result: Region | None
+
+    @property
+    def buffers(self) -> set[Buf]:
+        used: set[Buf] = set()
+        for step in self.steps:
+            for region in (step.send, step.recv, *(step.reduce or ())):
+                if region is not None:
+                    used.add(region.buf)
+        return used
+
+
+def split_bounds(count: int, parts: int, index: int) -> tuple[int, int]:
+    """``(start, length)`` of part ``index`` when ``count`` items are split into ``parts``."""
+    base, extra = divmod(count, parts)
+    return index * base + min(index, extra), base + (1 if index < extra else 0)
+
+
+def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:
+    """All ``(start, length)`` pairs of an ``np.array_split`` of ``count`` items."""
+    return [split_bounds(count, parts, i) for i in range(parts)]
+
+
+def segment_count(largest_region: int, itemsize: int, segment_bytes: int) -> int:
+    """How many segments the largest region needs so none exceeds ``segment_bytes``."""
+    return max(1, math.ceil(largest_region * itemsize / max(1, segment_bytes)))

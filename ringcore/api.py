@@ -1,0 +1,147 @@
+"""Module-level functions over one default communicator, like ``horovod`` and ``torch.distributed``."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import socket
+import threading
+from typing import Any
+
+import numpy as np
+
+from ringcore.bootstrap import bootstrap
+from ringcore.comm import Communicator, Handle
+from ringcore.config import Settings
+from ringcore.errors import RingcoreError
+from ringcore.rendezvous import discover
+
+_default: Communicator | None = None
+_lock = threading.Lock()
+_atexit_registered = False
+
+
+def init(
+    rank: int | None = None,
+    size: int | None = None,
+    addr: str | None = None,
+    port: int | None = None,
+) -> Communicator:
+    """Join the job and return its :class:`Communicator` (also the default for module functions).
+
+    With no arguments, rank, size and the rendezvous address come from the
+    launcher's environment (ringcore-run, torchrun, mpirun, srun); with none,
+    this is a world of size 1. Explicit arguments override the environment.
+
+    Raises:
+        ConfigError: missing or contradictory settings (the message says which).
+        CollectiveTimeout: the other ranks did not show up in time.
+        RingcoreError: already initialized (call ``shutdown()`` first).
+    """
+    global _default, _atexit_registered
+    with _lock:
+        if _default is not None:
+            raise RingcoreError("ringcore is already initialized; call ringcore.shutdown() before init() again")
+        settings = Settings.from_env()
+        world = discover(settings, rank=rank, size=size, addr=addr, port=port)
+        _configure_logging(settings, world.rank)
+        _default = bootstrap(world, settings)
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+        return _default
+
+
+def shutdown() -> None:
+    """Close the default communicator; safe to call twice or without ``init()``."""
+    global _default
+    with _lock:
+        comm, _default = _default, None
+    if comm is not None:
+        comm.shutdown()
+
+
+def is_initialized() -> bool:
+    return _default is not None
+
+
+def communicator() -> Communicator:
+    """The default communicator made by :func:`init`."""
+    if _default is None:
+        raise RingcoreError("ringcore is not initialized; call ringcore.init() first")
+    return _default
+
+
+def rank() -> int:
+    return communicator().rank
+
+
+def size() -> int:
+    return communicator().size
+
+
+def local_rank() -> int:
+    return communicator().local_rank
+
+
+def local_size() -> int:
+    return communicator().local_size
+
+
+def allreduce(buf: Any, op: Any = "sum", compression: Any = None) -> Any:
+    """See :meth:`Communicator.allreduce`."""
+    return communicator().allreduce(buf, op=op, compression=compression)
+
+
+def allreduce_async(buf: Any, op: Any = "sum", compression: Any = None) -> Handle:
+    """See :meth:`Communicator.allreduce_async`."""
+    return communicator().allreduce_async(buf, op=op, compression=compression)
+
+
+def broadcast(buf: Any, root: int = 0) -> Any:
+    """See :meth:`Communicator.broadcast`."""
+    return communicator().broadcast(buf, root=root)
+
+
+def broadcast_async(buf: Any, root: int = 0) -> Handle:
+    """See :meth:`Communicator.broadcast_async`."""
+    return communicator().broadcast_async(buf, root=root)
+
+
+def allgather(x: Any) -> np.ndarray:
+    """See :meth:`Communicator.allgather`."""
+    return communicator().allgather(x)
+
+
+def reduce_scatter(x: Any, op: Any = "sum", compression: Any = None) -> np.ndarray:
+    """See :meth:`Communicator.reduce_scatter`."""
+    return communicator().reduce_scatter(x, op=op, compression=compression)
+
+
+def barrier() -> None:
+    """See :meth:`Communicator.barrier`."""
+    communicator().barrier()
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank, self.host = rank, socket.gethostname()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank, record.host = self.rank, self.host
+        return True
+
+
+def _configure_logging(settings: Settings, rank: int) -> None:
+    logger = logging.getLogger("ringcore")
+    logger.setLevel(settings.log_level if settings.log_level in logging._nameToLevel else "WARNING")
+    if not any(getattr(h, "_ringcore", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler._ringcore = True  # type: ignore[attr-defined]
+        handler.setFormatter(logging.Formatter("[ringcore %(levelname)s rank %(rank)s@%(host)s] %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    for handler in logger.handlers:
+        handler.filters = [f for f in handler.filters if not isinstance(f, _RankFilter)]
+        handler.addFilter(_RankFilter(rank))

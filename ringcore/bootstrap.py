@@ -1,0 +1,100 @@
+"""From a :class:`~ringcore.rendezvous.WorldSpec` to a connected :class:`~ringcore.comm.Communicator`.
+
+Sequence: rank 0 starts the store; every rank joins it (a duplicate rank is
+an error), opens its data listener on the chosen interface, publishes
+``host:port``, reads everyone else's, checks that all agree on the world
+size, then connects the mesh (``transport.tcp.connect_mesh``). The listener is
+closed once the mesh is up, so no data port stays open.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from typing import Any
+
+from ringcore.comm import Communicator
+from ringcore.config import Settings
+from ringcore.descriptor import rank_list
+from ringcore.errors import CollectiveTimeout, ConfigError
+from ringcore.rendezvous import StoreClient, StoreServer, WorldSpec, listen_address
+from ringcore.transport.tcp import connect_mesh, make_listener
+
+
+def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
+    """Rendezvous with the other ranks and connect to them.
+
+    Raises:
+        ConfigError: ranks disagree on the world size, or two claim the same rank.
+        CollectiveTimeout: a rank did not show up within ``RINGCORE_INIT_TIMEOUT``.
+    """
+    if world.size == 1:
+        return Communicator(0, 1, 0, 1, settings, None)
+    server = _start_server(world) if world.rank == 0 else None
+    store = listener = None
+    try:
+        store = StoreClient(world.addr, world.port, settings.init_timeout)
+        if store.add(f"join/{world.rank}", 1) > 1:
+            raise ConfigError(f"two processes claim rank {world.rank}; check RINGCORE_RANK / the launcher")
+        if world.rank == 0:
+            store.set("session", secrets.randbits(63))
+        host = listen_address(settings, world.addr, world.port)
+        listener = make_listener(host, settings.socket_buffer)
+        store.set(f"peer/{world.rank}", _me(host, listener, world))
+        peers = _read_peers(store, world, settings.init_timeout)
+        session = int(store.get("session", settings.init_timeout))
+        addresses = [(p["host"], int(p["port"])) for p in peers]
+        transport = connect_mesh(world.rank, world.size, settings.channels, listener, addresses, session,
+                                 settings.socket_buffer, settings.init_timeout)  # fmt: skip
+    except BaseException:
+        for closable in (listener, store, server):
+            if closable is not None:
+                closable.close()
+        raise
+    listener.close()
+    local_rank, local_size = _locality(world, peers)
+    return Communicator(world.rank, world.size, local_rank, local_size, settings, transport, store, server)
+
+
+def _start_server(world: WorldSpec) -> StoreServer:
+    try:
+        return StoreServer(world.addr, world.port)
+    except OSError as err:
+        raise ConfigError(
+            f"rank 0 could not serve the rendezvous store on {world.addr}:{world.port} ({err.strerror}); "
+            "is another job using that port? Set RINGCORE_PORT (or MASTER_PORT) to a free one"
+        ) from None
+
+
+def _me(host: str, listener: socket.socket, world: WorldSpec) -> dict[str, Any]:
+    return {"host": host, "port": listener.getsockname()[1], "size": world.size,
+            "hostname": socket.gethostname(), "pid": os.getpid()}  # fmt: skip
+
+
+def _read_peers(store: StoreClient, world: WorldSpec, timeout: float) -> list[dict[str, Any]]:
+    peers = []
+    for rank in range(world.size):
+        try:
+            peers.append(store.get(f"peer/{rank}", timeout))
+        except CollectiveTimeout:
+            raise CollectiveTimeout(
+                f"rank {world.rank}: rank {rank} did not join the rendezvous at {world.addr}:{world.port} "
+                f"within {timeout:g} s (RINGCORE_INIT_TIMEOUT); was it started with the same size?"
+            ) from None
+    sizes: dict[int, list[int]] = {}
+    for rank, peer in enumerate(peers):
+        sizes.setdefault(int(peer["size"]), []).append(rank)
+    if len(sizes) > 1:
+        listed = ", ".join(f"{rank_list(ranks)} say {size}" for size, ranks in sizes.items())
+        raise ConfigError(f"ranks disagree on the world size: {listed}")
+    return peers
+
+
+def _locality(world: WorldSpec, peers: list[dict[str, Any]]) -> tuple[int, int]:
+    """Local rank/size from the launcher, else from which ranks share this host name."""
+    hostname = peers[world.rank]["hostname"]
+    same = [rank for rank, peer in enumerate(peers) if peer["hostname"] == hostname]
+    local_rank = world.local_rank if world.local_rank is not None else same.index(world.rank)
+    local_size = world.local_size if world.local_size is not None else len(same)
+    return local_rank, local_size

@@ -1,0 +1,169 @@
+"""Any array-like -> :class:`Buffer`: a flat view of the caller's memory, its dtype and shape.
+
+Accepted without copying: numpy arrays, objects exposing ``__array_interface__``
+or DLPack on the CPU (e.g. torch tensors, JAX arrays for read-only inputs), and
+anything exporting the buffer protocol with a numeric format (``bytearray``,
+``array.array``, ``memoryview``). Everything else is rejected here, before any
+byte is sent, with a ``TypeError`` (wrong kind of object or dtype) or a
+``ValueError`` (non-contiguous, read-only for an in-place collective).
+
+``Buffer.device`` is where the memory lives. Only ``"cpu"`` is handled today;
+a GPU layer plugs in by returning a ``Buffer`` with ``device="cuda"`` and its
+own kernels, without touching the algorithms (they only see regions of
+elements).
+
+bfloat16 has no numpy dtype: its memory is viewed as ``uint16`` and the
+kernels know to widen it to float32 (see :mod:`ringcore.kernels.numpy_ops`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class DType:
+    """An element type ringcore can move and reduce.
+
+    Attributes:
+        name: canonical name (``"float32"``, ``"bfloat16"``...).
+        code: a small integer used in frame headers and descriptors.
+        storage: the numpy dtype the memory is viewed as (``uint16`` for bfloat16).
+    """
+
+    name: str
+    code: int
+    storage: np.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self.storage.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self.name in ("float16", "bfloat16", "float32", "float64")
+
+
+_NAMES = [
+    "float16", "float32", "float64", "bfloat16",
+    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+]  # fmt: skip
+DTYPES: dict[str, DType] = {
+    name: DType(name, code, np.dtype("uint16" if name == "bfloat16" else name))
+    for code, name in enumerate(_NAMES, start=1)
+}
+DTYPES_BY_CODE: dict[int, DType] = {d.code: d for d in DTYPES.values()}
+SUPPORTED = ", ".join(_NAMES)
+
+_DLPACK_CPU = (1, 3)  # kDLCPU, kDLCUDAHost: memory the CPU can address
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """A validated, contiguous view of a caller's buffer.
+
+    Attributes:
+        array: flat 1-D numpy view of the caller's memory (dtype ``dtype.storage``).
+        dtype: the element type.
+        shape: the caller's shape (``()`` for 0-d arrays).
+        device: ``"cpu"``.
+    """
+
+    array: np.ndarray
+    dtype: DType
+    shape: tuple[int, ...]
+    device: str = "cpu"
+
+    @property
+    def count(self) -> int:
+        return int(self.array.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+
+def as_buffer(obj: Any, *, writable: bool, what: str = "buffer") -> Buffer:
+    """Wrap ``obj`` as a :class:`Buffer` without copying it.
+
+    Args:
+        obj: the caller's array-like.
+        writable: the collective writes into ``obj`` (in-place ops).
+        what: how to name ``obj`` in error messages (e.g. ``"allreduce buffer"``).
+
+    Raises:
+        TypeError: not an array-like, a GPU buffer, or an unsupported dtype.
+        ValueError: not contiguous, or read-only while ``writable``.
+    """
+    array, dtype_name = _to_numpy(obj, what)
+    dtype = _dtype_of(array, dtype_name, what)
+    if not array.flags.c_contiguous:
+        raise ValueError(
+            f"{what} is not contiguous (shape {array.shape}, strides {array.strides}); "
+            "pass a contiguous copy, e.g. numpy.ascontiguousarray(x) or tensor.contiguous()"
+        )
+    if writable and not array.flags.writeable:
+        raise ValueError(f"{what} is read-only, but this collective writes its result into it in place")
+    flat = array.reshape(-1)
+    if dtype.name == "bfloat16":
+        flat = flat.view(np.uint16)
+    return Buffer(flat, dtype, tuple(array.shape))
+
+
+def _to_numpy(obj: Any, what: str) -> tuple[np.ndarray, str | None]:
+    """Return a zero-copy ndarray over ``obj`` and an explicit dtype name if numpy can't know it."""
+    if isinstance(obj, np.ndarray):
+        return obj, None
+    if hasattr(obj, "__cuda_array_interface__"):
+        raise TypeError(f"{what} is a GPU buffer; GPU buffers are not supported by this build of ringcore")
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        return _from_dlpack(obj, what)
+    if hasattr(obj, "__array_interface__"):
+        return np.asarray(obj), None
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be a numpy array, a CPU tensor (DLPack / __array_interface__) or an object "
+            f"exporting the buffer protocol with a numeric format; got {type(obj).__name__}"
+        ) from None
+    try:
+        return np.asarray(view), None
+    except (ValueError, TypeError, NotImplementedError):
+        raise TypeError(f"{what} has buffer format {view.format!r}, which is not a numeric type") from None
+
+
+def _from_dlpack(obj: Any, what: str) -> tuple[np.ndarray, str | None]:
+    device_type, _ = obj.__dlpack_device__()
+    if int(device_type) not in _DLPACK_CPU:
+        raise TypeError(
+            f"{what} lives on a GPU (DLPack device type {int(device_type)}); "
+            "GPU buffers are not supported by this build of ringcore"
+        )
+    if str(getattr(obj, "dtype", "")) == "torch.bfloat16":
+        torch = sys.modules["torch"]
+        obj = obj.view(torch.int16)
+        name: str | None = "bfloat16"
+    else:
+        name = None
+    try:
+        return np.from_dlpack(obj), name
+    except RuntimeError as err:
+        hint = " (call .detach() first)" if "gradient" in str(err) else ""
+        raise TypeError(f"{what} could not be exported through DLPack: {err}{hint}") from None
+    except (TypeError, BufferError) as err:
+        raise TypeError(f"{what} has a dtype numpy cannot view through DLPack: {err}") from None
+
+
+def _dtype_of(array: np.ndarray, explicit: str | None, what: str) -> DType:
+    name = explicit or array.dtype.name
+    if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
+        raise TypeError(f"{what} is big-endian ({array.dtype}); convert it to native byte order")
+    dtype = DTYPES.get(name)
+    if dtype is None:
+        raise TypeError(f"{what} has dtype {array.dtype}, which ringcore cannot reduce; supported: {SUPPORTED}")
+    return dtype

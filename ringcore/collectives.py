@@ -1,0 +1,189 @@
+"""Per-collective plans: validated arguments -> descriptor, schedule, arrays, and the commit.
+
+Each ``plan_*`` function runs in the caller's thread and raises
+``TypeError``/``ValueError`` before anything is sent. It returns a
+:class:`Plan`, whose ``run`` is executed later, in order, by the
+communicator: it builds the schedule, runs it, and only then writes the
+result into the caller's buffer (the *commit*). So a failed collective leaves
+the caller's buffer untouched; a successful one leaves it fully reduced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ringcore.algo import broadcast as chain
+from ringcore.algo import recursive_doubling, ring
+from ringcore.algo.steps import Buf, Schedule, chunk_bounds
+from ringcore.buffers import Buffer, as_buffer
+from ringcore.descriptor import Descriptor
+from ringcore.kernels.numpy_ops import Reducer
+from ringcore.ops import Compression, ReduceOp
+
+if TYPE_CHECKING:
+    from ringcore.comm import Communicator
+
+
+@dataclasses.dataclass
+class Plan:
+    """A validated collective, ready to run when its turn comes."""
+
+    kind: str
+    run: Callable[[Communicator, int], Any]
+    seqs: int = 1
+
+
+def _check_reduction(buffer: Buffer, op: ReduceOp, compression: Compression, what: str) -> None:
+    if op is ReduceOp.AVG and not buffer.dtype.is_float:
+        raise ValueError(f"{what}: op 'avg' needs a floating-point buffer, got {buffer.dtype.name}; "
+                         "use 'sum' and divide by ringcore.size()")  # fmt: skip
+    if compression is Compression.FP16 and not buffer.dtype.is_float:
+        raise ValueError(f"{what}: fp16 compression applies to floating-point buffers, got {buffer.dtype.name}")
+
+
+def _check_root(root: int, size: int, what: str) -> int:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+        raise TypeError(f"{what}: root must be an int, got {type(root).__name__}")
+    if not 0 <= root < size:
+        raise ValueError(f"{what}: root {root} is not a rank of this world of size {size}")
+    return int(root)
+
+
+def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
+    buffer = as_buffer(obj, writable=True, what="allreduce buffer")
+    reduce_op, comp = ReduceOp.parse(op), Compression.parse(compression)
+    _check_reduction(buffer, reduce_op, comp, "allreduce")
+
+    def run(comm: Communicator, seq: int) -> Any:
+        desc = Descriptor("allreduce", seq, buffer.dtype.name, buffer.shape, reduce_op.value, None, comp.value)
+        if comm.size > 1:
+            reducer = Reducer(buffer.dtype, reduce_op, comp, comm.size)
+            schedule = _allreduce_schedule(comm, buffer.count, reducer.wire_dtype.itemsize)
+            arrays = comm.scratch_arrays(schedule, buffer, reducer.wire_dtype)
+            comm.execute(desc, schedule, arrays, reducer)
+            reducer.convert(buffer.array, arrays[Buf.WORK])
+        return obj
+
+    return Plan("allreduce", run)
+
+
+def _allreduce_schedule(comm: Communicator, count: int, itemsize: int) -> Schedule:
+    settings = comm.settings
+    small = count * itemsize <= settings.small_bytes or count < comm.size
+    algorithm = recursive_doubling if small else ring
+    return algorithm.allreduce(comm.rank, comm.size, count, itemsize, settings.segment_bytes)
+
+
+def plan_broadcast(obj: Any, root: int, rank: int, size: int) -> Plan:
+    root = _check_root(root, size, "broadcast")
+    buffer = as_buffer(obj, writable=rank != root, what="broadcast buffer")
+
+    def run(comm: Communicator, seq: int) -> Any:
+        desc = Descriptor("broadcast", seq, buffer.dtype.name, buffer.shape, None, root)
+        if comm.size > 1:
+            reducer = Reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE, comm.size)
+            schedule = chain.broadcast(comm.rank, comm.size, root, buffer.count, buffer.dtype.itemsize,
+                                       comm.settings.segment_bytes)  # fmt: skip
+            arrays = comm.scratch_arrays(schedule, buffer, buffer.dtype.storage)
+            comm.execute(desc, schedule, arrays, reducer)
+            if schedule.result is not None:
+                np.copyto(buffer.array, arrays[Buf.WORK])
+        return obj
+
+    return Plan("broadcast", run)
+
+
+def _rows(buffer: Buffer, what: str) -> int:
+    if not buffer.shape:
+        raise ValueError(f"{what} needs an array with at least one dimension, got a 0-d array")
+    return buffer.shape[0]
+
+
+def plan_allgather(obj: Any) -> Plan:
+    buffer = as_buffer(obj, writable=False, what="allgather input")
+    rows = _rows(buffer, "allgather")
+    row_count = int(np.prod(buffer.shape[1:], dtype=np.int64))
+
+    def run(comm: Communicator, seq: int) -> np.ndarray:
+        trailing = buffer.shape[1:]
+        counts = _gather_counts(comm, seq, buffer.dtype.name, trailing, rows)
+        chunks = [(start * row_count, n * row_count) for start, n in _offsets(counts)]
+        out = np.empty(sum(counts) * row_count, buffer.dtype.storage)
+        start, n = chunks[comm.rank]
+        out[start : start + n] = buffer.array
+        if comm.size > 1:
+            desc = Descriptor("allgather", seq + 1, buffer.dtype.name, trailing)
+            reducer = Reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE, comm.size)
+            schedule = ring.allgather(comm.rank, comm.size, chunks, buffer.dtype.itemsize, comm.settings.segment_bytes)
+            comm.execute(desc, schedule, {Buf.WORK: out}, reducer)
+        return _as_caller_dtype(out, obj).reshape((sum(counts), *trailing))
+
+    return Plan("allgather", run, seqs=2)
+
+
+def _gather_counts(comm: Communicator, seq: int, dtype: str, trailing: tuple[int, ...], rows: int) -> list[int]:
+    counts = np.zeros(comm.size, np.int64)
+    counts[comm.rank] = rows
+    if comm.size > 1:
+        desc = Descriptor("allgather", seq, dtype, trailing, None, None, "counts")
+        int64 = as_buffer(counts, writable=True)
+        reducer = Reducer(int64.dtype, ReduceOp.SUM, Compression.NONE, comm.size)
+        schedule = ring.allgather(comm.rank, comm.size, [(i, 1) for i in range(comm.size)], 8, 1 << 20)
+        comm.execute(desc, schedule, {Buf.WORK: counts}, reducer)
+    return [int(c) for c in counts]
+
+
+def _offsets(counts: list[int]) -> list[tuple[int, int]]:
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
+    return [(int(s), int(n)) for s, n in zip(starts, counts)]
+
+
+def _as_caller_dtype(out: np.ndarray, obj: Any) -> np.ndarray:
+    """bfloat16 results come back in the caller's numpy bfloat16 dtype when it has one."""
+    dtype = getattr(obj, "dtype", None)
+    if isinstance(dtype, np.dtype) and dtype.itemsize == out.itemsize and dtype != out.dtype:
+        return out.view(dtype)
+    return out
+
+
+def plan_reduce_scatter(obj: Any, op: Any, compression: Any) -> Plan:
+    buffer = as_buffer(obj, writable=False, what="reduce_scatter input")
+    rows = _rows(buffer, "reduce_scatter")
+    reduce_op, comp = ReduceOp.parse(op), Compression.parse(compression)
+    _check_reduction(buffer, reduce_op, comp, "reduce_scatter")
+    row_count = int(np.prod(buffer.shape[1:], dtype=np.int64))
+
+    def run(comm: Communicator, seq: int) -> np.ndarray:
+        desc = Descriptor("reduce_scatter", seq, buffer.dtype.name, buffer.shape, reduce_op.value, None,
+                          comp.value)  # fmt: skip
+        row_chunks = chunk_bounds(rows, comm.size)
+        chunks = [(start * row_count, n * row_count) for start, n in row_chunks]
+        start, n = chunks[comm.rank]
+        out = np.empty(n, buffer.dtype.storage)
+        reducer = Reducer(buffer.dtype, reduce_op, comp, comm.size)
+        if comm.size == 1:
+            out[:] = buffer.array
+        else:
+            schedule = ring.reduce_scatter(comm.rank, comm.size, chunks, reducer.wire_dtype.itemsize,
+                                           comm.settings.segment_bytes)  # fmt: skip
+            arrays = comm.scratch_arrays(schedule, buffer, reducer.wire_dtype)
+            comm.execute(desc, schedule, arrays, reducer)
+            reducer.convert(out, arrays[Buf.WORK][start : start + n])
+        return _as_caller_dtype(out, obj).reshape((row_chunks[comm.rank][1], *buffer.shape[1:]))
+
+    return Plan("reduce_scatter", run)
+
+
+def plan_barrier() -> Plan:
+    def run(comm: Communicator, seq: int) -> None:
+        if comm.size > 1:
+            empty = np.empty(0, np.uint8)
+            reducer = Reducer(as_buffer(empty, writable=False).dtype, ReduceOp.SUM, Compression.NONE, comm.size)
+            desc = Descriptor("barrier", seq, "uint8", ())
+            comm.execute(desc, chain.barrier(comm.rank, comm.size), {Buf.WORK: empty}, reducer)
+
+    return Plan("barrier", run)

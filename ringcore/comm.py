@@ -1,0 +1,300 @@
+"""The Communicator: validate, agree with peers, pick a schedule, run it.
+
+Ordering. Every collective gets a ticket when it is called, in program order;
+it runs only when all earlier tickets have finished. Blocking calls run in
+the caller's thread (no hand-off, lowest latency); ``*_async`` calls run on
+one background thread, so ``allreduce_async`` overlaps with the caller's
+compute. Ranks must issue collectives in the same order, as with MPI/NCCL.
+
+Failure. A collective that fails (a peer died, timed out, or the ranks
+disagree) first tells every peer (an ABORT frame with the reason), so all
+ranks fail promptly with an error that names the culprit, then marks the
+communicator broken: later calls raise :class:`CommunicatorClosed` until
+``shutdown()`` and a new ``init()``. The caller's buffer is written only after
+a collective succeeded, so a failure leaves it untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from ringcore import collectives
+from ringcore.algo.execute import Executor
+from ringcore.algo.steps import Buf, Schedule
+from ringcore.buffers import Buffer
+from ringcore.config import Settings
+from ringcore.descriptor import Descriptor, explain
+from ringcore.errors import CollectiveTimeout, CommunicatorClosed, MismatchError, PeerFailure, RingcoreError
+from ringcore.kernels.numpy_ops import Reducer
+from ringcore.rendezvous import StoreClient, StoreServer
+from ringcore.transport.base import FrameMismatch, PeerAborted, Transport
+from ringcore.transport.wire import ProtocolError
+
+log = logging.getLogger("ringcore")
+
+_EXPLAIN_WAIT = 10.0
+
+
+class Handle:
+    """The future result of an ``*_async`` collective."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """True once the collective finished, successfully or not."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done; return the result or raise the collective's error.
+
+        Raises:
+            TimeoutError: not done within ``timeout`` seconds (the collective goes on).
+        """
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"{self.kind} not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._event.set()
+
+
+class Communicator:
+    """A group of ranks connected to each other; every collective is a method.
+
+    Made by :func:`ringcore.init`; use it directly to embed ringcore in a framework.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        local_rank: int,
+        local_size: int,
+        settings: Settings,
+        transport: Transport | None,
+        store: StoreClient | None = None,
+        server: StoreServer | None = None,
+    ) -> None:
+        self.rank, self.size = rank, size
+        self.local_rank, self.local_size = local_rank, local_size
+        self.settings = settings
+        self.transport = transport
+        self.store = store
+        self.server = server
+        self._cond = threading.Condition()
+        self._next_ticket = self._turn = 0
+        self._next_seq = 1
+        self._broken: BaseException | None = None
+        self._closed = False
+        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._scratch: dict[Buf, np.ndarray] = {}
+
+    # ------------------------------------------------------------------ public API
+
+    def allreduce(self, buf: Any, op: Any = "sum", compression: Any = None) -> Any:
+        """Reduce ``buf`` over all ranks, in place; returns ``buf``.
+
+        Args:
+            buf: a writable, contiguous array-like (numpy, CPU torch tensor, bytearray...).
+            op: ``"sum"``, ``"avg"``, ``"min"``, ``"max"``, ``"prod"`` or a ``ReduceOp``.
+            compression: ``None`` or ``"fp16"`` (float16 on the wire, accumulation in
+                ``buf``'s dtype; all ranks still end bit-identical).
+
+        Raises:
+            TypeError, ValueError: bad arguments (before anything is sent).
+            MismatchError, PeerFailure, CollectiveTimeout: see ``ringcore.errors``.
+        """
+        return self._call(collectives.plan_allreduce(buf, op, compression, self.size))
+
+    def allreduce_async(self, buf: Any, op: Any = "sum", compression: Any = None) -> Handle:
+        """Start an allreduce; ``handle.wait()`` returns ``buf`` once it is reduced.
+
+        Do not read or write ``buf`` until then.
+        """
+        return self._call_async(collectives.plan_allreduce(buf, op, compression, self.size))
+
+    def broadcast(self, buf: Any, root: int = 0) -> Any:
+        """Copy ``root``'s ``buf`` into every rank's ``buf``, in place; returns ``buf``."""
+        return self._call(collectives.plan_broadcast(buf, root, self.rank, self.size))
+
+    def broadcast_async(self, buf: Any, root: int = 0) -> Handle:
+        """Start a broadcast; ``handle.wait()`` returns ``buf``."""
+        return self._call_async(collectives.plan_broadcast(buf, root, self.rank, self.size))
+
+    def allgather(self, x: Any) -> np.ndarray:
+        """Concatenate every rank's ``x`` along axis 0 (first dimensions may differ); a new array."""
+        return self._call(collectives.plan_allgather(x))
+
+    def reduce_scatter(self, x: Any, op: Any = "sum", compression: Any = None) -> np.ndarray:
+        """This rank's chunk (``np.array_split`` of axis 0) of ``x`` reduced over all ranks; a new array."""
+        return self._call(collectives.plan_reduce_scatter(x, op, compression))
+
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+        self._call(collectives.plan_barrier())
+
+    def shutdown(self) -> None:
+        """Finish queued async work, say goodbye to peers and close everything; idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        if self._worker is not None:
+            self._jobs.put(None)
+            self._worker.join(timeout=self.settings.timeout)
+        if self.transport is not None:
+            self.transport.close()
+        if self.store is not None:
+            self.store.close()
+        if self.server is not None:
+            self.server.close()
+        self._scratch.clear()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"Communicator(rank={self.rank}, size={self.size})"
+
+    # ------------------------------------------------------------------ ordering
+
+    def _take_ticket(self, plan: collectives.Plan) -> tuple[int, int]:
+        with self._cond:
+            if self._closed:
+                raise CommunicatorClosed(f"{plan.kind}: the communicator was shut down; call ringcore.init() again")
+            ticket, seq = self._next_ticket, self._next_seq
+            self._next_ticket += 1
+            self._next_seq += plan.seqs
+        return ticket, seq
+
+    def _call(self, plan: collectives.Plan) -> Any:
+        ticket, seq = self._take_ticket(plan)
+        return self._run_turn(plan, ticket, seq)
+
+    def _call_async(self, plan: collectives.Plan) -> Handle:
+        ticket, seq = self._take_ticket(plan)
+        handle = Handle(f"{plan.kind} #{seq}")
+        self._jobs.put((plan, ticket, seq, handle))
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="ringcore-async", daemon=True)
+            self._worker.start()
+        return handle
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            plan, ticket, seq, handle = job
+            try:
+                handle._finish(result=self._run_turn(plan, ticket, seq))
+            except BaseException as err:  # handed to the caller through the handle
+                handle._finish(error=err)
+
+    def _run_turn(self, plan: collectives.Plan, ticket: int, seq: int) -> Any:
+        with self._cond:
+            while self._turn != ticket:
+                self._cond.wait()
+        try:
+            if self._broken is not None:
+                raise CommunicatorClosed(
+                    f"{plan.kind} #{seq}: the communicator is unusable after an earlier failure "
+                    f"({self._broken}); call ringcore.shutdown() and ringcore.init() again"
+                ) from self._broken
+            return plan.run(self, seq)
+        finally:
+            with self._cond:
+                self._turn += 1
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ execution
+
+    def scratch_arrays(self, schedule: Schedule, buffer: Buffer, wire_dtype: np.dtype) -> dict[Buf, np.ndarray]:
+        """USER plus the scratch buffers the schedule uses, reused between collectives."""
+        arrays = {Buf.USER: buffer.array}
+        for buf in schedule.buffers - {Buf.USER}:
+            nbytes = buffer.count * wire_dtype.itemsize
+            pool = self._scratch.get(buf)
+            if pool is None or pool.nbytes < nbytes:
+                pool = self._scratch[buf] = np.empty(nbytes, np.uint8)
+            arrays[buf] = pool[:nbytes].view(wire_dtype)
+        if Buf.WORK not in arrays:
+            arrays[Buf.WORK] = np.empty(0, wire_dtype)
+        return arrays
+
+    def execute(self, desc: Descriptor, schedule: Schedule, arrays: dict[Buf, np.ndarray], reducer: Reducer) -> None:
+        """Run one schedule; on failure, tell the peers, break the communicator and raise."""
+        if self.transport is None:
+            raise RingcoreError("a world of size > 1 needs a transport")
+        executor = Executor(self.transport, schedule, arrays, reducer, desc.seq, desc.signature(),
+                            self.settings.timeout)  # fmt: skip
+        try:
+            executor.run()
+        except (FrameMismatch, PeerAborted, PeerFailure, CollectiveTimeout, ProtocolError) as err:
+            error = self._translate(desc, err)
+            self._broken = error
+            raise error from None
+        except BaseException as err:  # e.g. KeyboardInterrupt mid-collective: peers must not hang
+            self._abort({"kind": "peer_failure", "culprit": self.rank,
+                         "message": f"rank {self.rank} stopped {desc.title}: {type(err).__name__}"})  # fmt: skip
+            self._broken = err
+            raise
+
+    def _translate(self, desc: Descriptor, err: Exception) -> RingcoreError:
+        """Turn a transport-level failure into the error every rank should raise."""
+        where = f"{desc.title} on rank {self.rank}"
+        if isinstance(err, FrameMismatch) or (isinstance(err, PeerAborted) and err.reason.get("kind") == "mismatch"):
+            self._abort({"kind": "mismatch", "rank": self.rank, "message": f"{desc.title}: ranks disagree"})
+            return MismatchError(self._explain_mismatch(desc))
+        if isinstance(err, PeerAborted):
+            reason = err.reason
+            culprit = int(reason.get("culprit", err.peer))
+            self._abort(reason)
+            if reason.get("kind") == "timeout":
+                return CollectiveTimeout(f"{where}: rank {err.peer} gave up: {reason.get('message')}")
+            host = self.transport.peer_name(culprit) if self.transport else ""
+            return PeerFailure(f"{where}: {reason.get('message', 'peer aborted')}", culprit, host)
+        if isinstance(err, PeerFailure):
+            message = f"{where}: {err}"
+            self._abort({"kind": "peer_failure", "culprit": err.peer, "message": str(err)})
+            return PeerFailure(message, err.peer, err.host)
+        if isinstance(err, CollectiveTimeout):
+            self._abort({"kind": "timeout", "culprit": self.rank, "message": f"{desc.title}: {err}"})
+            return CollectiveTimeout(f"{where}: {err}")
+        self._abort({"kind": "protocol", "culprit": self.rank, "message": str(err)})
+        return RingcoreError(f"{where}: {err}")
+
+    def _abort(self, reason: dict[str, Any]) -> None:
+        if self.transport is not None:
+            self.transport.abort(reason)
+
+    def _explain_mismatch(self, desc: Descriptor) -> str:
+        """Compare every rank's descriptor through the store; the message names who differs."""
+        if self.store is None:
+            return f"{desc.title}: ranks disagree (no rendezvous store to compare their arguments)"
+        try:
+            self.store.set(f"mismatch/{self.rank}", desc.record())
+            deadline = time.monotonic() + min(_EXPLAIN_WAIT, self.settings.timeout)
+            records = {}
+            for peer in range(self.size):
+                try:
+                    records[peer] = self.store.get(f"mismatch/{peer}", max(0.0, deadline - time.monotonic()))
+                except CollectiveTimeout:
+                    continue
+        except RingcoreError as err:
+            return f"{desc.title}: ranks disagree (could not compare arguments: {err})"
+        return explain(desc, records, self.size)

@@ -1,0 +1,131 @@
+"""Reductions and fp16 compression on numpy arrays: the reference kernels.
+
+Rules every implementation (numpy here, CUDA later) must follow so a mixed
+ring of ranks agrees bit for bit:
+
+* Values are combined in the *accumulation dtype*: the caller's dtype, except
+  bfloat16, which is widened to float32 (exactly: its bits shifted left 16).
+* ``op(a, b)`` is evaluated once per element, rounded to the accumulation
+  dtype; ``avg`` then divides by the world size (true division) in that dtype.
+* Narrowing to the storage or wire dtype rounds to nearest, ties to even
+  (numpy's float casts; a bit-exact routine for bfloat16, NaN kept quiet).
+
+The hot path (same dtype everywhere, the common case) is one ufunc call with
+``out=``; mixed dtypes (compression, bfloat16) go through one reusable
+scratch array per :class:`Reducer`, never a fresh temporary per call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ringcore.buffers import DType
+from ringcore.ops import Compression, ReduceOp
+
+UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+}
+
+_BF16_ROUND = np.uint32(0x7FFF)
+_BF16_QUIET = np.uint16(0x0040)
+
+
+def bf16_to_f32(src: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Widen bfloat16 bits (uint16) into ``out`` (float32), exactly."""
+    bits = out.view(np.uint32)
+    np.copyto(bits, src, casting="unsafe")
+    np.left_shift(bits, 16, out=bits)
+    return out
+
+
+def f32_to_bf16(src: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Round float32 ``src`` to bfloat16 bits in ``out`` (uint16), nearest-even."""
+    bits = src.view(np.uint32)
+    lsb = np.right_shift(bits, 16) & np.uint32(1)
+    rounded = np.right_shift(bits + _BF16_ROUND + lsb, 16)
+    np.copyto(out, rounded, casting="unsafe")
+    nan = np.isnan(src)
+    if nan.any():
+        out[nan] = np.right_shift(bits[nan], 16).astype(np.uint16) | _BF16_QUIET
+    return out
+
+
+class Reducer:
+    """The kernels of one collective: combine, convert, finalize.
+
+    Args:
+        dtype: the caller's element type.
+        op: the reduction.
+        compression: what travels on the wire.
+        world: the world size (``avg`` divides by it).
+    """
+
+    def __init__(self, dtype: DType, op: ReduceOp, compression: Compression, world: int) -> None:
+        self.dtype = dtype
+        self.op = op
+        self.world = world
+        self.ufunc = UFUNCS[op]
+        self.acc_dtype = np.dtype(np.float32) if dtype.name == "bfloat16" else dtype.storage
+        compressed = compression is Compression.FP16 and dtype.name != "float16"
+        self.wire_dtype = np.dtype(np.float16) if compressed else dtype.storage
+        self._scratch = np.empty(0, self.acc_dtype)
+        self._widen = np.empty(0, self.acc_dtype)
+
+    def combine(self, dst: np.ndarray, a: np.ndarray, b: np.ndarray, final: bool = False) -> None:
+        """``dst = op(a, b)`` element-wise; with ``final``, apply avg's division too."""
+        scale = final and self.op is ReduceOp.AVG and self.world > 1
+        if dst.dtype == a.dtype == b.dtype == self.acc_dtype:
+            self.ufunc(a, b, out=dst)
+            if scale:
+                np.divide(dst, self.world, out=dst, casting="unsafe")
+            return
+        acc = self._scratch_for(dst.size)
+        self.ufunc(self._load(a, self._widen_for(a.size)), self._load(b, acc), out=acc)
+        if scale:
+            np.divide(acc, self.world, out=acc, casting="unsafe")
+        self._store(dst, acc)
+
+    def finalize(self, dst: np.ndarray) -> None:
+        """Apply avg's division to already-reduced values in ``dst``."""
+        if self.op is not ReduceOp.AVG or self.world == 1:
+            return
+        if dst.dtype == self.acc_dtype:
+            np.divide(dst, self.world, out=dst, casting="unsafe")
+            return
+        acc = self._load(dst, self._scratch_for(dst.size))
+        np.divide(acc, self.world, out=acc)
+        self._store(dst, acc)
+
+    def convert(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Copy ``src`` into ``dst``, rounding when the dtypes differ (compression)."""
+        if dst.dtype == src.dtype:
+            np.copyto(dst, src)
+            return
+        self._store(dst, self._load(src, self._scratch_for(src.size)))
+
+    def _is_bf16(self, x: np.ndarray) -> bool:
+        return self.dtype.name == "bfloat16" and x.dtype == np.uint16
+
+    def _load(self, x: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+        """View ``x`` in a dtype numpy can combine with the accumulator."""
+        return bf16_to_f32(x, scratch) if self._is_bf16(x) else x
+
+    def _store(self, dst: np.ndarray, acc: np.ndarray) -> None:
+        if self._is_bf16(dst):
+            f32_to_bf16(acc, dst)
+        else:
+            np.copyto(dst, acc, casting="unsafe")
+
+    def _scratch_for(self, count: int) -> np.ndarray:
+        if self._scratch.size < count:
+            self._scratch = np.empty(count, self.acc_dtype)
+        return self._scratch[:count]
+
+    def _widen_for(self, count: int) -> np.ndarray:
+        if self._widen.size < count:
+            self._widen = np.empty(count, self.acc_dtype)
+        return self._widen[:count]

@@ -1,0 +1,1 @@
+"""Transports: how segments move between ranks (in-process loopback, TCP)."""

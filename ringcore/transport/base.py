@@ -1,0 +1,96 @@
+"""The transport contract the algorithms are written against.
+
+A transport connects this rank to its peers and moves *segments*: contiguous
+memoryviews, each carried as one frame on one ``(peer, channel)`` connection.
+It is non-blocking in the style of NCCL's network plugins: ``isend`` and
+``irecv`` return a :class:`Request` at once, and nothing moves until
+``progress`` is called (by the executor, in the collective's thread).
+
+Ordering rule: on each ``(peer, channel)`` connection, frames are matched to
+posted receives in the order both sides post them (FIFO, like one TCP
+stream). Every frame carries a *tag* (collective sequence, step, segment) and
+the collective's *signature* (a hash of what the rank was asked to do); the
+receiver checks both, so ranks that disagree fail with a clear error instead
+of reducing garbage.
+
+What ``progress`` raises:
+    PeerFailure: the peer closed the connection or the link broke.
+    PeerAborted: the peer aborted the collective and said why.
+    FrameMismatch: a frame's tag, signature or length differs from the posted receive.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from ringcore.errors import RingcoreError
+
+
+class Request:
+    """One posted send or receive; ``done`` turns true when its bytes have moved."""
+
+    __slots__ = ("channel", "done", "nbytes", "peer", "tag", "view")
+
+    def __init__(self, peer: int, channel: int, tag: int, view: memoryview) -> None:
+        self.peer = peer
+        self.channel = channel
+        self.tag = tag
+        self.view = view
+        self.nbytes = view.nbytes
+        self.done = False
+
+
+class FrameMismatch(RingcoreError):
+    """A frame differs from the receive posted for it (ranks disagree)."""
+
+    def __init__(self, peer: int, field: str, expected: int, got: int) -> None:
+        super().__init__(f"frame from rank {peer}: {field} {got:#x}, expected {expected:#x}")
+        self.peer = peer
+        self.field = field
+        self.expected = expected
+        self.got = got
+
+
+class PeerAborted(RingcoreError):
+    """The peer sent an ABORT frame; ``reason`` is its decoded explanation."""
+
+    def __init__(self, peer: int, reason: dict[str, Any]) -> None:
+        super().__init__(f"rank {peer} aborted: {reason.get('message', reason)}")
+        self.peer = peer
+        self.reason = reason
+
+
+class Transport(Protocol):
+    """What an algorithm may ask of the network."""
+
+    rank: int
+    size: int
+    channels: int
+
+    def isend(self, peer: int, channel: int, tag: int, signature: int, view: memoryview) -> Request:
+        """Queue ``view`` to be sent to ``peer``; the caller must not change it until done."""
+        ...
+
+    def irecv(self, peer: int, channel: int, tag: int, signature: int, view: memoryview) -> Request:
+        """Post a receive of exactly ``view.nbytes`` bytes from ``peer`` into ``view``."""
+        ...
+
+    def route(self, peer: int, segment: int) -> int:
+        """The channel that carries ``segment`` to or from ``peer`` (same answer on both sides)."""
+        ...
+
+    def progress(self, timeout: float) -> bool:
+        """Move bytes; block up to ``timeout`` s when nothing can move. True if anything moved."""
+        ...
+
+    def abort(self, reason: dict[str, Any]) -> None:
+        """Best effort: tell every peer this rank is abandoning the current collective."""
+        ...
+
+    def peer_name(self, peer: int) -> str:
+        """``host:port`` of a peer, for error messages."""
+        ...
+
+    def close(self) -> None:
+        """Close every connection; idempotent."""
+        ...

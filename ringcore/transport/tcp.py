@@ -1,0 +1,400 @@
+"""TCP transport: raw non-blocking sockets driven by one progress loop.
+
+Data path. A DATA frame is a 32-byte header (``transport.wire``) and the
+segment's bytes. Sends go out with ``sendmsg([header, payload])`` straight
+from the segment's memoryview; receives read the header, check it against the
+posted receive, then ``recv_into`` the destination view. Payload bytes are
+never copied in user space and never pickled.
+
+Concurrency. There are no I/O threads: the collective's own thread calls
+``progress()``, which pushes every connection with queued sends and pulls
+every connection with posted receives until the kernel says ``EAGAIN``, and
+only then sleeps in ``poll``. Sends and receives therefore interleave (no
+deadlock when socket buffers fill), and large socket buffers
+(``RINGCORE_SOCKET_BUFFER``) let the kernel keep moving bytes while the
+thread is reducing a segment.
+
+Connections. Channel 0 is a full mesh, so any algorithm can reach any peer
+and every rank notices a dead or aborting peer during any collective, even
+one it is not exchanging data with right now; channels ``1..C-1`` go to the
+ring neighbours only and carry every C-th segment. Each rank connects to the
+lower ranks and accepts the higher ones; a connection opens with a HELLO
+frame carrying rank, channel and the job's session id, and anything else on
+the listening socket is dropped.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import select
+import socket
+import time
+from collections import deque
+from typing import Any
+
+from ringcore.errors import CollectiveTimeout, PeerFailure
+from ringcore.transport import wire
+from ringcore.transport.base import FrameMismatch, PeerAborted, Request
+
+log = logging.getLogger("ringcore")
+
+_POLLIN = select.POLLIN | select.POLLPRI
+_POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
+_HELLO_TIMEOUT = 10.0
+
+
+class _Send:
+    """A queued frame: header then payload, with how much has gone out."""
+
+    __slots__ = ("header", "offset", "request")
+
+    def __init__(self, request: Request, header: bytes) -> None:
+        self.request = request
+        self.header = header
+        self.offset = 0
+
+    def remaining(self) -> list[Any]:
+        if self.offset < wire.HEADER_BYTES:
+            return [memoryview(self.header)[self.offset :], self.request.view]
+        return [self.request.view[self.offset - wire.HEADER_BYTES :]]
+
+
+class _Conn:
+    """One socket to one peer on one channel, with its send and receive queues."""
+
+    def __init__(self, sock: socket.socket, peer: int, channel: int, name: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.channel = channel
+        self.name = name
+        self.fd = sock.fileno()
+        self.sends: deque[_Send] = deque()
+        self.recvs: deque[tuple[Request, int]] = deque()
+        self.header = bytearray(wire.HEADER_BYTES)
+        self.header_got = 0
+        self.payload_got = 0
+        self.early = False  # unread data waits for a receive not yet posted
+        self.departed = False  # the peer said BYE: it shut down cleanly
+
+    def fail(self, what: str) -> PeerFailure:
+        return PeerFailure(f"rank {self.peer} ({self.name}) {what}", self.peer, self.name)
+
+    def pump_send(self) -> bool:
+        moved = False
+        while self.sends:
+            op = self.sends[0]
+            try:
+                sent = self.sock.sendmsg(op.remaining())
+            except (BlockingIOError, InterruptedError):
+                return moved
+            except OSError as err:
+                raise self.fail(f"broke the connection while we were sending ({err.strerror})") from None
+            op.offset += sent
+            moved = True
+            if op.offset == wire.HEADER_BYTES + op.request.nbytes:
+                op.request.done = True
+                self.sends.popleft()
+        return moved
+
+    def pump_recv(self) -> bool:
+        moved = False
+        while self.recvs:
+            request, signature = self.recvs[0]
+            if self.header_got < wire.HEADER_BYTES:
+                got = self._read(memoryview(self.header)[self.header_got :])
+                if got is None:
+                    return moved
+                moved = True
+                self.header_got += got
+                if self.header_got < wire.HEADER_BYTES:
+                    continue
+                self._check_header(request, signature)
+            while self.payload_got < request.nbytes:
+                got = self._read(request.view[self.payload_got :])
+                if got is None:
+                    return moved
+                moved = True
+                self.payload_got += got
+            request.done = True
+            self.recvs.popleft()
+            self.header_got = self.payload_got = 0
+            self.early = False
+        return moved
+
+    def _read(self, view: memoryview) -> int | None:
+        try:
+            got = self.sock.recv_into(view)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as err:
+            raise self.fail(f"broke the connection ({err.strerror})") from None
+        if got == 0:
+            raise self.fail("closed the connection")
+        return got
+
+    def _check_header(self, request: Request, signature: int) -> None:
+        kind, tag, got_signature, nbytes = wire.unpack(self.header)
+        if kind == wire.ABORT:
+            raise PeerAborted(self.peer, wire.decode_abort(self._read_control(nbytes)))
+        if kind == wire.BYE:
+            self.departed = True
+            raise self.fail("shut down (called shutdown()) while this rank still expected data from it")
+        if kind != wire.DATA:
+            raise wire.ProtocolError(f"unexpected frame kind {kind} from rank {self.peer}")
+        if got_signature != signature:
+            raise FrameMismatch(self.peer, "signature", signature, got_signature)
+        if tag != request.tag:
+            raise FrameMismatch(self.peer, "tag", request.tag, tag)
+        if nbytes != request.nbytes:
+            raise FrameMismatch(self.peer, "nbytes", request.nbytes, nbytes)
+
+    def _read_control(self, nbytes: int) -> bytes:
+        """Read a small control payload, waiting at most a few seconds."""
+        self.sock.settimeout(2.0)
+        try:
+            return _recv_exact(self.sock, nbytes)
+        except OSError:
+            return b""
+
+    def check_idle(self) -> None:
+        """Look at unread data on a connection with no posted receive."""
+        try:
+            head = self.sock.recv(wire.HEADER_BYTES, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as err:
+            raise self.fail(f"broke the connection ({err.strerror})") from None
+        if not head:
+            raise self.fail("closed the connection")
+        kind = wire.unpack(head)[0] if len(head) == wire.HEADER_BYTES else wire.DATA
+        if kind == wire.ABORT:
+            self.sock.recv(wire.HEADER_BYTES)
+            raise PeerAborted(self.peer, wire.decode_abort(self._read_control(wire.unpack(head)[3])))
+        if kind == wire.BYE:
+            self.sock.recv(wire.HEADER_BYTES)
+            self.departed = True
+            return
+        self.early = True
+
+    def poll_events(self) -> int:
+        if self.departed:
+            return 0
+        events = _POLLRDHUP
+        if self.sends:
+            events |= select.POLLOUT
+        if self.recvs or not self.early:
+            events |= _POLLIN
+        return events
+
+
+class TcpTransport:
+    """Non-blocking TCP transport over an established mesh (see module docstring)."""
+
+    def __init__(self, rank: int, size: int, channels: int, conns: dict[tuple[int, int], _Conn]) -> None:
+        self.rank = rank
+        self.size = size
+        self.channels = channels
+        self.conns = conns
+        self.by_fd = {conn.fd: conn for conn in conns.values()}
+        self.names = {peer: conn.name for (peer, _), conn in conns.items()}
+        self.closed = False
+
+    def conn(self, peer: int, channel: int) -> _Conn:
+        conn = self.conns.get((peer, channel))
+        if conn is None:
+            raise ValueError(f"rank {self.rank} has no connection to rank {peer}")
+        return conn
+
+    def route(self, peer: int, segment: int) -> int:
+        channel = segment % self.channels
+        return channel if (peer, channel) in self.conns else 0
+
+    def isend(self, peer: int, channel: int, tag: int, signature: int, view: memoryview) -> Request:
+        conn = self.conn(peer, channel)
+        request = Request(peer, conn.channel, tag, view)
+        conn.sends.append(_Send(request, wire.pack(wire.DATA, tag, signature, view.nbytes)))
+        return request
+
+    def irecv(self, peer: int, channel: int, tag: int, signature: int, view: memoryview) -> Request:
+        conn = self.conn(peer, channel)
+        request = Request(peer, conn.channel, tag, view)
+        conn.recvs.append((request, signature))
+        return request
+
+    def progress(self, timeout: float) -> bool:
+        if self._pump():
+            return True
+        poller = select.poll()
+        for conn in self.conns.values():
+            if conn.departed and (conn.sends or conn.recvs):
+                raise conn.fail("shut down (called shutdown()) while this rank still had frames for it")
+            poller.register(conn.fd, conn.poll_events())
+        ready = poller.poll(max(0, int(timeout * 1000)))
+        for fd, events in ready:
+            conn = self.by_fd[fd]
+            if not conn.recvs and events & (_POLLIN | _POLLRDHUP | select.POLLHUP | select.POLLERR):
+                conn.check_idle()
+        return self._pump() if ready else False
+
+    def _pump(self) -> bool:
+        moved = False
+        for conn in self.conns.values():
+            if conn.sends and conn.pump_send():
+                moved = True
+            if conn.recvs and conn.pump_recv():
+                moved = True
+        return moved
+
+    def abort(self, reason: dict[str, Any]) -> None:
+        frame = wire.abort_frame(reason)
+        for conn in self.conns.values():
+            if conn.sends and conn.sends[0].offset:
+                continue  # mid-frame: an ABORT now would corrupt the stream; EOF will do
+            try:
+                conn.sock.send(frame)
+                conn.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def peer_name(self, peer: int) -> str:
+        return self.names.get(peer, "?")
+
+    def close(self) -> None:
+        """Say BYE on every connection that is between frames, then close them all."""
+        if self.closed:
+            return
+        self.closed = True
+        bye = wire.pack(wire.BYE, 0, 0, 0)
+        for conn in self.conns.values():
+            try:
+                if not (conn.sends and conn.sends[0].offset):
+                    conn.sock.send(bye)
+                conn.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        for conn in self.conns.values():
+            try:
+                conn.sock.close()
+            except OSError:
+                pass
+
+
+def needed_links(rank: int, size: int, channels: int) -> list[tuple[int, int]]:
+    """``(peer, channel)`` pairs this rank is connected to: mesh on 0, ring neighbours on the rest."""
+    links = [(peer, 0) for peer in range(size) if peer != rank]
+    if size > 1:
+        neighbours = sorted({(rank + 1) % size, (rank - 1) % size})
+        links += [(peer, ch) for ch in range(1, channels) for peer in neighbours]
+    return links
+
+
+def make_listener(host: str, socket_buffer: int, port: int = 0) -> socket.socket:
+    """A listening socket on ``host`` (never all interfaces unless ``host`` is ``0.0.0.0``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    _size_buffers(listener, socket_buffer)
+    listener.bind((host, port))
+    listener.listen(512)
+    return listener
+
+
+def connect_mesh(
+    rank: int,
+    size: int,
+    channels: int,
+    listener: socket.socket,
+    addresses: list[tuple[str, int]],
+    session: int,
+    socket_buffer: int,
+    timeout: float,
+) -> TcpTransport:
+    """Connect to lower ranks, accept higher ranks, and return the transport.
+
+    Raises:
+        CollectiveTimeout: a peer did not connect within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    conns: dict[tuple[int, int], _Conn] = {}
+    links = needed_links(rank, size, channels)
+    for peer, channel in (link for link in links if link[0] < rank):
+        sock = _connect(addresses[peer], socket_buffer, deadline, peer)
+        sock.sendall(wire.pack(wire.HELLO, rank, channel, session))
+        conns[(peer, channel)] = _Conn(sock, peer, channel, _fmt(addresses[peer]))
+    expected = {link for link in links if link[0] > rank}
+    while expected:
+        peer, channel, sock = _accept_one(listener, session, size, deadline, expected)
+        expected.discard((peer, channel))
+        conns[(peer, channel)] = _Conn(sock, peer, channel, _fmt(addresses[peer]))
+    for conn in conns.values():
+        conn.sock.setblocking(False)
+    return TcpTransport(rank, size, channels, conns)
+
+
+def _connect(address: tuple[str, int], socket_buffer: int, deadline: float, peer: int) -> socket.socket:
+    delay = 0.01
+    while True:
+        sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
+        _size_buffers(sock, socket_buffer)
+        sock.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
+        try:
+            sock.connect(address)
+        except OSError as err:
+            sock.close()
+            if time.monotonic() + delay > deadline:
+                raise CollectiveTimeout(
+                    f"could not connect to rank {peer} at {_fmt(address)} ({err}); is it running?"
+                ) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+            continue
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+
+def _accept_one(
+    listener: socket.socket, session: int, size: int, deadline: float, expected: set[tuple[int, int]]
+) -> tuple[int, int, socket.socket]:
+    """Accept until a valid HELLO from an expected peer arrives; drop anything else."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = ", ".join(f"rank {p} channel {c}" for p, c in sorted(expected))
+            raise CollectiveTimeout(f"timed out waiting for connections from {missing}")
+        listener.settimeout(remaining)
+        try:
+            sock, addr = listener.accept()
+        except TimeoutError:
+            continue
+        try:
+            sock.settimeout(min(_HELLO_TIMEOUT, max(0.1, remaining)))
+            kind, peer, channel, got_session = wire.unpack(_recv_exact(sock, wire.HEADER_BYTES))
+            if kind != wire.HELLO or got_session != session or (peer, channel) not in expected:
+                raise wire.ProtocolError(f"unexpected hello (rank {peer}, channel {channel})")
+        except (OSError, wire.ProtocolError) as err:
+            log.warning("dropped a connection from %s: %s", _fmt(addr), err)
+            sock.close()
+            continue
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return peer, channel, sock
+
+
+def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
+    data = bytearray()
+    while len(data) < nbytes:
+        chunk = sock.recv(nbytes - len(data))
+        if not chunk:
+            raise ConnectionError(errno.ECONNRESET, "connection closed")
+        data += chunk
+    return bytes(data)
+
+
+def _size_buffers(sock: socket.socket, nbytes: int) -> None:
+    if nbytes > 0:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, nbytes)
+
+
+def _fmt(address: Any) -> str:
+    return f"{address[0]}:{address[1]}"
