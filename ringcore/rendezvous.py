@@ -256,6 +256,10 @@ class StoreServer:
         self.closed = True
         with self.cond:
             self.cond.notify_all()
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        except OSError:
+            pass
         self.listener.close()
         for sock in self.clients:
             try:

@@ -1,0 +1,157 @@
+"""A live job of N real processes connected by ringcore over TCP, driven from the test.
+
+``Cluster(n)`` spawns N processes that each call ``ringcore.init`` and then run
+whatever task the test sends them (a picklable top-level function called as
+``fn(comm, *args)``), returning each rank's result or error. One cluster
+serves many hypothesis examples, so property tests pay the start-up once.
+Every wait is bounded, and ``close()`` kills whatever is left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+_CTX = multiprocessing.get_context("spawn")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclasses.dataclass
+class RankError:
+    """An exception raised on a rank, carried back to the test."""
+
+    type_name: str
+    message: str
+    exception: BaseException | None
+    trace: str
+
+
+def _worker(rank: int, size: int, port: int, conn: Any, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    import ringcore
+
+    try:
+        comm = ringcore.init(rank=rank, size=size, addr="127.0.0.1", port=port)
+    except BaseException as err:  # report the failure to the test instead of dying silently
+        conn.send(("init-error", _error(err)))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        task = conn.recv()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            conn.send(("ok", fn(comm, *args)))
+        except BaseException as err:
+            conn.send(("err", _error(err)))
+    ringcore.shutdown()
+    conn.send(("bye", None))
+
+
+def _error(err: BaseException) -> RankError:
+    try:
+        import pickle
+
+        pickle.dumps(err)
+        exception: BaseException | None = err
+    except Exception:
+        exception = None
+    return RankError(type(err).__name__, str(err), exception, traceback.format_exc())
+
+
+class Cluster:
+    """N ringcore ranks in their own processes (see module docstring)."""
+
+    def __init__(self, size: int, env: dict[str, str] | None = None, timeout: float = 60.0) -> None:
+        self.size = size
+        self.timeout = timeout
+        port = free_port()
+        base = {"RINGCORE_TIMEOUT": "30", "RINGCORE_INIT_TIMEOUT": "30", **(env or {})}
+        self.pipes = []
+        self.procs = []
+        for rank in range(size):
+            parent, child = _CTX.Pipe()
+            proc = _CTX.Process(target=_worker, args=(rank, size, port, child, base), daemon=True)
+            proc.start()
+            self.pipes.append(parent)
+            self.procs.append(proc)
+        replies = self._collect(range(size), timeout)
+        failed = [r for r, (status, _) in enumerate(replies) if status != "ready"]
+        if failed:
+            self.close()
+            raise RuntimeError(f"ranks {failed} failed to start: {[replies[r] for r in failed]}")
+        self.pids = [value for _, value in replies]
+
+    def _collect(self, ranks: Any, timeout: float) -> list[tuple[str, Any]]:
+        deadline = time.monotonic() + timeout
+        replies = []
+        for rank in ranks:
+            pipe = self.pipes[rank]
+            if not pipe.poll(max(0.0, deadline - time.monotonic())):
+                replies.append(("timeout", None))
+                continue
+            try:
+                replies.append(pipe.recv())
+            except EOFError:
+                replies.append(("dead", self.procs[rank].exitcode))
+        return replies
+
+    def run(self, fn: Callable[..., Any], *args: Any, ranks: Any = None, timeout: float | None = None) -> list[Any]:
+        """Run ``fn(comm, *args)`` on every rank; results, or ``RankError``s, by rank."""
+        ranks = list(range(self.size)) if ranks is None else list(ranks)
+        for rank in ranks:
+            self.pipes[rank].send((fn, args))
+        replies = self._collect(ranks, self.timeout if timeout is None else timeout)
+        return [value if status == "ok" else _as_error(status, value) for status, value in replies]
+
+    def results(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
+        """Like ``run`` but raise if any rank failed."""
+        out = self.run(fn, *args, timeout=timeout)
+        errors = {r: v for r, v in enumerate(out) if isinstance(v, RankError)}
+        if errors:
+            details = "\n".join(f"rank {r}: {e.type_name}: {e.message}\n{e.trace}" for r, e in errors.items())
+            raise AssertionError(f"ranks failed:\n{details}")
+        return out
+
+    def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        os.kill(self.pids[rank], sig)
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for pipe in self.pipes:
+            pipe.close()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_error(status: str, value: Any) -> Any:
+    if isinstance(value, RankError):
+        return value
+    return RankError(status, f"rank gave no answer ({status}, {value})", None, "")
