@@ -13,7 +13,9 @@ Discovery. ``discover()`` finds rank, size and the rendezvous address from,
 in order: explicit arguments, ``RINGCORE_*`` (ringcore-run), torchrun's
 ``RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT``, OpenMPI's ``OMPI_COMM_WORLD_*``,
 Slurm's ``SLURM_*``. Under mpirun or srun on one host with no address given,
-the store is on loopback at a port derived from the job id.
+the store is on loopback at a port derived from the job id. With
+``MASTER_PORT`` (torchrun), the store uses ``MASTER_PORT + 1``: torch's own
+store already listens on ``MASTER_PORT``.
 """
 
 from __future__ import annotations
@@ -103,8 +105,10 @@ def _from_launcher(settings: Settings, env: Mapping[str, str]) -> dict[str, Any]
         return {"source": "RINGCORE_* variables", "rank": settings.rank, "size": settings.size,
                 "local_rank": settings.local_rank, "local_size": settings.local_size,
                 "addr": settings.addr, "port": settings.port, "single_host": False}  # fmt: skip
+    master_port = _int(env, "MASTER_PORT")
+    # torch's own TCPStore (torchrun's agent, init_process_group) owns MASTER_PORT: take the next one.
     shared = {"addr": settings.addr or env.get("MASTER_ADDR") or None,
-              "port": settings.port or _int(env, "MASTER_PORT")}  # fmt: skip
+              "port": settings.port or (master_port + 1 if master_port else None)}  # fmt: skip
     if "RANK" in env and "WORLD_SIZE" in env:
         return {"source": "torchrun variables", "rank": _int(env, "RANK"), "size": _int(env, "WORLD_SIZE"),
                 "local_rank": _int(env, "LOCAL_RANK"), "local_size": _int(env, "LOCAL_WORLD_SIZE"),
