@@ -75,6 +75,7 @@ class Reducer:
         self._scratch = np.empty(0, self.acc_dtype)
         self._widen = np.empty(0, self.acc_dtype)
 
+    @np.errstate(all="ignore")  # overflow to inf, NaN in, integer wrap-around: results, not warnings
     def combine(self, dst: np.ndarray, a: np.ndarray, b: np.ndarray, final: bool = False) -> None:
         """``dst = op(a, b)`` element-wise; with ``final``, apply avg's division too."""
         scale = final and self.op is ReduceOp.AVG and self.world > 1
@@ -89,6 +90,7 @@ class Reducer:
             np.divide(acc, self.world, out=acc, casting="unsafe")
         self._store(dst, acc)
 
+    @np.errstate(all="ignore")
     def finalize(self, dst: np.ndarray) -> None:
         """Apply avg's division to already-reduced values in ``dst``."""
         if self.op is not ReduceOp.AVG or self.world == 1:
@@ -100,6 +102,7 @@ class Reducer:
         np.divide(acc, self.world, out=acc)
         self._store(dst, acc)
 
+    @np.errstate(all="ignore")
     def convert(self, dst: np.ndarray, src: np.ndarray) -> None:
         """Copy ``src`` into ``dst``, rounding when the dtypes differ (compression)."""
         if dst.dtype == src.dtype:
