@@ -41,7 +41,9 @@ def init(
     global _default, _atexit_registered
     with _lock:
         if _default is not None:
-            raise RingcoreError("ringcore is already initialized; call ringcore.shutdown() before init() again")
+            raise RingcoreError(
+                "ringcore is already initialized; call ringcore.shutdown() before init() again"
+            )
         settings = Settings.from_env()
         world = discover(settings, rank=rank, size=size, addr=addr, port=port)
         _configure_logging(settings, world.rank)

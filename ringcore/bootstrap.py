@@ -45,8 +45,16 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
         peers = _read_peers(store, world, settings.init_timeout)
         session = int(store.get("session", settings.init_timeout))
         addresses = [(p["host"], int(p["port"])) for p in peers]
-        transport = connect_mesh(world.rank, world.size, settings.channels, listener, addresses, session,
-                                 settings.socket_buffer, settings.init_timeout)  # fmt: skip
+        transport = connect_mesh(
+            world.rank,
+            world.size,
+            settings.channels,
+            listener,
+            addresses,
+            session,
+            settings.socket_buffer,
+            settings.init_timeout,
+        )
     except BaseException:
         for closable in (listener, store, server):
             if closable is not None:
@@ -68,8 +76,13 @@ def _start_server(world: WorldSpec) -> StoreServer:
 
 
 def _me(host: str, listener: socket.socket, world: WorldSpec) -> dict[str, Any]:
-    return {"host": host, "port": listener.getsockname()[1], "size": world.size,
-            "hostname": socket.gethostname(), "pid": os.getpid()}  # fmt: skip
+    return {
+        "host": host,
+        "port": listener.getsockname()[1],
+        "size": world.size,
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+    }
 
 
 def _read_peers(store: StoreClient, world: WorldSpec, timeout: float) -> list[dict[str, Any]]:

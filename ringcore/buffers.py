@@ -49,9 +49,19 @@ class DType:
 
 
 _NAMES = [
-    "float16", "float32", "float64", "bfloat16",
-    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-]  # fmt: skip
+    "float16",
+    "float32",
+    "float64",
+    "bfloat16",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+]
 DTYPES: dict[str, DType] = {
     name: DType(name, code, np.dtype("uint16" if name == "bfloat16" else name))
     for code, name in enumerate(_NAMES, start=1)
@@ -165,5 +175,7 @@ def _dtype_of(array: np.ndarray, explicit: str | None, what: str) -> DType:
         raise TypeError(f"{what} is big-endian ({array.dtype}); convert it to native byte order")
     dtype = DTYPES.get(name)
     if dtype is None:
-        raise TypeError(f"{what} has dtype {array.dtype}, which ringcore cannot reduce; supported: {SUPPORTED}")
+        raise TypeError(
+            f"{what} has dtype {array.dtype}, which ringcore cannot reduce; supported: {SUPPORTED}"
+        )
     return dtype

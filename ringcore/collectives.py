@@ -39,10 +39,14 @@ class Plan:
 
 def _check_reduction(buffer: Buffer, op: ReduceOp, compression: Compression, what: str) -> None:
     if op is ReduceOp.AVG and not buffer.dtype.is_float:
-        raise ValueError(f"{what}: op 'avg' needs a floating-point buffer, got {buffer.dtype.name}; "
-                         "use 'sum' and divide by ringcore.size()")  # fmt: skip
+        raise ValueError(
+            f"{what}: op 'avg' needs a floating-point buffer, got {buffer.dtype.name}; "
+            "use 'sum' and divide by ringcore.size()"
+        )
     if compression is Compression.FP16 and not buffer.dtype.is_float:
-        raise ValueError(f"{what}: fp16 compression applies to floating-point buffers, got {buffer.dtype.name}")
+        raise ValueError(
+            f"{what}: fp16 compression applies to floating-point buffers, got {buffer.dtype.name}"
+        )
 
 
 def _check_root(root: int, size: int, what: str) -> int:
@@ -59,7 +63,9 @@ def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
     _check_reduction(buffer, reduce_op, comp, "allreduce")
 
     def run(comm: Communicator, seq: int) -> Any:
-        desc = Descriptor("allreduce", seq, buffer.dtype.name, buffer.shape, reduce_op.value, None, comp.value)
+        desc = Descriptor(
+            "allreduce", seq, buffer.dtype.name, buffer.shape, reduce_op.value, None, comp.value
+        )
         if comm.size > 1:
             reducer = Reducer(buffer.dtype, reduce_op, comp, comm.size)
             schedule = _allreduce_schedule(comm, buffer.count, reducer.wire_dtype.itemsize)
@@ -86,8 +92,9 @@ def plan_broadcast(obj: Any, root: int, rank: int, size: int) -> Plan:
         desc = Descriptor("broadcast", seq, buffer.dtype.name, buffer.shape, None, root)
         if comm.size > 1:
             reducer = Reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE, comm.size)
-            schedule = chain.broadcast(comm.rank, comm.size, root, buffer.count, buffer.dtype.itemsize,
-                                       comm.settings.segment_bytes)  # fmt: skip
+            schedule = chain.broadcast(
+                comm.rank, comm.size, root, buffer.count, buffer.dtype.itemsize, comm.settings.segment_bytes
+            )
             arrays = comm.scratch_arrays(schedule, buffer, buffer.dtype.storage)
             comm.execute(desc, schedule, arrays, reducer)
             if schedule.result is not None:
@@ -111,35 +118,39 @@ def plan_allgather(obj: Any) -> Plan:
     def run(comm: Communicator, seq: int) -> np.ndarray:
         trailing = buffer.shape[1:]
         counts = _gather_counts(comm, seq, buffer.dtype.name, trailing, rows)
-        chunks = [(start * row_count, n * row_count) for start, n in _offsets(counts)]
+        chunks = tuple((start * row_count, n * row_count) for start, n in _offsets(counts))
         out = np.empty(sum(counts) * row_count, buffer.dtype.storage)
         start, n = chunks[comm.rank]
         out[start : start + n] = buffer.array
         if comm.size > 1:
             desc = Descriptor("allgather", seq + 1, buffer.dtype.name, trailing)
             reducer = Reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE, comm.size)
-            schedule = ring.allgather(comm.rank, comm.size, chunks, buffer.dtype.itemsize, comm.settings.segment_bytes)
+            schedule = ring.allgather(
+                comm.rank, comm.size, chunks, buffer.dtype.itemsize, comm.settings.segment_bytes
+            )
             comm.execute(desc, schedule, {Buf.WORK: out}, reducer)
         return _as_caller_dtype(out, obj).reshape((sum(counts), *trailing))
 
     return Plan("allgather", run, seqs=2)
 
 
-def _gather_counts(comm: Communicator, seq: int, dtype: str, trailing: tuple[int, ...], rows: int) -> list[int]:
+def _gather_counts(
+    comm: Communicator, seq: int, dtype: str, trailing: tuple[int, ...], rows: int
+) -> list[int]:
     counts = np.zeros(comm.size, np.int64)
     counts[comm.rank] = rows
     if comm.size > 1:
         desc = Descriptor("allgather", seq, dtype, trailing, None, None, "counts")
         int64 = as_buffer(counts, writable=True)
         reducer = Reducer(int64.dtype, ReduceOp.SUM, Compression.NONE, comm.size)
-        schedule = ring.allgather(comm.rank, comm.size, [(i, 1) for i in range(comm.size)], 8, 1 << 20)
+        schedule = ring.allgather(comm.rank, comm.size, tuple((i, 1) for i in range(comm.size)), 8, 1 << 20)
         comm.execute(desc, schedule, {Buf.WORK: counts}, reducer)
     return [int(c) for c in counts]
 
 
 def _offsets(counts: list[int]) -> list[tuple[int, int]]:
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
-    return [(int(s), int(n)) for s, n in zip(starts, counts)]
+    return [(int(s), int(n)) for s, n in zip(starts, counts, strict=False)]
 
 
 def _as_caller_dtype(out: np.ndarray, obj: Any) -> np.ndarray:
@@ -158,18 +169,20 @@ def plan_reduce_scatter(obj: Any, op: Any, compression: Any) -> Plan:
     row_count = int(np.prod(buffer.shape[1:], dtype=np.int64))
 
     def run(comm: Communicator, seq: int) -> np.ndarray:
-        desc = Descriptor("reduce_scatter", seq, buffer.dtype.name, buffer.shape, reduce_op.value, None,
-                          comp.value)  # fmt: skip
+        desc = Descriptor(
+            "reduce_scatter", seq, buffer.dtype.name, buffer.shape, reduce_op.value, None, comp.value
+        )
         row_chunks = chunk_bounds(rows, comm.size)
-        chunks = [(start * row_count, n * row_count) for start, n in row_chunks]
+        chunks = tuple((start * row_count, n * row_count) for start, n in row_chunks)
         start, n = chunks[comm.rank]
         out = np.empty(n, buffer.dtype.storage)
         reducer = Reducer(buffer.dtype, reduce_op, comp, comm.size)
         if comm.size == 1:
             out[:] = buffer.array
         else:
-            schedule = ring.reduce_scatter(comm.rank, comm.size, chunks, reducer.wire_dtype.itemsize,
-                                           comm.settings.segment_bytes)  # fmt: skip
+            schedule = ring.reduce_scatter(
+                comm.rank, comm.size, chunks, reducer.wire_dtype.itemsize, comm.settings.segment_bytes
+            )
             arrays = comm.scratch_arrays(schedule, buffer, reducer.wire_dtype)
             comm.execute(desc, schedule, arrays, reducer)
             reducer.convert(out, arrays[Buf.WORK][start : start + n])
@@ -182,7 +195,9 @@ def plan_barrier() -> Plan:
     def run(comm: Communicator, seq: int) -> None:
         if comm.size > 1:
             empty = np.empty(0, np.uint8)
-            reducer = Reducer(as_buffer(empty, writable=False).dtype, ReduceOp.SUM, Compression.NONE, comm.size)
+            reducer = Reducer(
+                as_buffer(empty, writable=False).dtype, ReduceOp.SUM, Compression.NONE, comm.size
+            )
             desc = Descriptor("barrier", seq, "uint8", ())
             comm.execute(desc, chain.barrier(comm.rank, comm.size), {Buf.WORK: empty}, reducer)
 

@@ -178,7 +178,9 @@ class Communicator:
     def _take_ticket(self, plan: collectives.Plan) -> tuple[int, int]:
         with self._cond:
             if self._closed:
-                raise CommunicatorClosed(f"{plan.kind}: the communicator was shut down; call ringcore.init() again")
+                raise CommunicatorClosed(
+                    f"{plan.kind}: the communicator was shut down; call ringcore.init() again"
+                )
             ticket, seq = self._next_ticket, self._next_seq
             self._next_ticket += 1
             self._next_seq += plan.seqs
@@ -223,7 +225,9 @@ class Communicator:
 
     # ------------------------------------------------------------------ execution
 
-    def scratch_arrays(self, schedule: Schedule, buffer: Buffer, wire_dtype: np.dtype) -> dict[Buf, np.ndarray]:
+    def scratch_arrays(
+        self, schedule: Schedule, buffer: Buffer, wire_dtype: np.dtype
+    ) -> dict[Buf, np.ndarray]:
         """USER plus the scratch buffers the schedule uses, reused between collectives."""
         arrays = {Buf.USER: buffer.array}
         for buf in schedule.buffers - {Buf.USER}:
@@ -236,12 +240,15 @@ class Communicator:
             arrays[Buf.WORK] = np.empty(0, wire_dtype)
         return arrays
 
-    def execute(self, desc: Descriptor, schedule: Schedule, arrays: dict[Buf, np.ndarray], reducer: Reducer) -> None:
+    def execute(
+        self, desc: Descriptor, schedule: Schedule, arrays: dict[Buf, np.ndarray], reducer: Reducer
+    ) -> None:
         """Run one schedule; on failure, tell the peers, break the communicator and raise."""
         if self.transport is None:
             raise RingcoreError("a world of size > 1 needs a transport")
-        executor = Executor(self.transport, schedule, arrays, reducer, desc.seq, desc.signature(),
-                            self.settings.timeout)  # fmt: skip
+        executor = Executor(
+            self.transport, schedule, arrays, reducer, desc.seq, desc.signature(), self.settings.timeout
+        )
         try:
             executor.run()
         except (FrameMismatch, PeerAborted, PeerFailure, CollectiveTimeout, ProtocolError) as err:
@@ -249,15 +256,22 @@ class Communicator:
             self._broken = error
             raise error from None
         except BaseException as err:  # e.g. KeyboardInterrupt mid-collective: peers must not hang
-            self._abort({"kind": "peer_failure", "culprit": self.rank,
-                         "message": f"rank {self.rank} stopped {desc.title}: {type(err).__name__}"})  # fmt: skip
+            self._abort(
+                {
+                    "kind": "peer_failure",
+                    "culprit": self.rank,
+                    "message": f"rank {self.rank} stopped {desc.title}: {type(err).__name__}",
+                }
+            )
             self._broken = err
             raise
 
     def _translate(self, desc: Descriptor, err: Exception) -> RingcoreError:
         """Turn a transport-level failure into the error every rank should raise."""
         where = f"{desc.title} on rank {self.rank}"
-        if isinstance(err, FrameMismatch) or (isinstance(err, PeerAborted) and err.reason.get("kind") == "mismatch"):
+        if isinstance(err, FrameMismatch) or (
+            isinstance(err, PeerAborted) and err.reason.get("kind") == "mismatch"
+        ):
             self._abort({"kind": "mismatch", "rank": self.rank, "message": f"{desc.title}: ranks disagree"})
             return MismatchError(self._explain_mismatch(desc))
         if isinstance(err, PeerAborted):

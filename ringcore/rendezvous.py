@@ -20,6 +20,7 @@ store already listens on ``MASTER_PORT``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -82,7 +83,9 @@ def discover(
     if rank is None and size is None:
         rank, size, source = 0, 1, "default (no launcher found)"
     if rank is None or size is None:
-        raise ConfigError(f"{source}: rank is {rank}, size is {size}; set both (e.g. RINGCORE_RANK and RINGCORE_SIZE)")
+        raise ConfigError(
+            f"{source}: rank is {rank}, size is {size}; set both (e.g. RINGCORE_RANK and RINGCORE_SIZE)"
+        )
     if not 0 <= rank < size:
         raise ConfigError(f"{source}: rank {rank} is outside a world of size {size}")
     addr = addr or found.get("addr")
@@ -96,36 +99,72 @@ def discover(
         addr = "127.0.0.1"
     if size > 1 and port is None:
         port = _derived_port(found.get("job_id"), source)
-    return WorldSpec(rank, size, found.get("local_rank"), found.get("local_size"),
-                     addr or "127.0.0.1", int(port or 0), source)  # fmt: skip
+    return WorldSpec(
+        rank,
+        size,
+        found.get("local_rank"),
+        found.get("local_size"),
+        addr or "127.0.0.1",
+        int(port or 0),
+        source,
+    )
 
 
 def _from_launcher(settings: Settings, env: Mapping[str, str]) -> dict[str, Any]:
     if settings.rank is not None or settings.size is not None:
-        return {"source": "RINGCORE_* variables", "rank": settings.rank, "size": settings.size,
-                "local_rank": settings.local_rank, "local_size": settings.local_size,
-                "addr": settings.addr, "port": settings.port, "single_host": False}  # fmt: skip
+        return {
+            "source": "RINGCORE_* variables",
+            "rank": settings.rank,
+            "size": settings.size,
+            "local_rank": settings.local_rank,
+            "local_size": settings.local_size,
+            "addr": settings.addr,
+            "port": settings.port,
+            "single_host": False,
+        }
     master_port = _int(env, "MASTER_PORT")
     # torch's own TCPStore (torchrun's agent, init_process_group) owns MASTER_PORT: take the next one.
-    shared = {"addr": settings.addr or env.get("MASTER_ADDR") or None,
-              "port": settings.port or (master_port + 1 if master_port else None)}  # fmt: skip
+    shared = {
+        "addr": settings.addr or env.get("MASTER_ADDR") or None,
+        "port": settings.port or (master_port + 1 if master_port else None),
+    }
     if "RANK" in env and "WORLD_SIZE" in env:
-        return {"source": "torchrun variables", "rank": _int(env, "RANK"), "size": _int(env, "WORLD_SIZE"),
-                "local_rank": _int(env, "LOCAL_RANK"), "local_size": _int(env, "LOCAL_WORLD_SIZE"),
-                "single_host": False, **shared}  # fmt: skip
+        return {
+            "source": "torchrun variables",
+            "rank": _int(env, "RANK"),
+            "size": _int(env, "WORLD_SIZE"),
+            "local_rank": _int(env, "LOCAL_RANK"),
+            "local_size": _int(env, "LOCAL_WORLD_SIZE"),
+            "single_host": False,
+            **shared,
+        }
     if "OMPI_COMM_WORLD_RANK" in env:
         size = _int(env, "OMPI_COMM_WORLD_SIZE")
         local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
         job = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE") or f"ppid-{os.getppid()}"
-        return {"source": "OpenMPI variables", "rank": _int(env, "OMPI_COMM_WORLD_RANK"), "size": size,
-                "local_rank": _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"), "local_size": local_size,
-                "single_host": local_size == size, "job_id": job, **shared}  # fmt: skip
+        return {
+            "source": "OpenMPI variables",
+            "rank": _int(env, "OMPI_COMM_WORLD_RANK"),
+            "size": size,
+            "local_rank": _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
+            "local_size": local_size,
+            "single_host": local_size == size,
+            "job_id": job,
+            **shared,
+        }
     if "SLURM_PROCID" in env:
         nodes = _int(env, "SLURM_JOB_NUM_NODES") or _int(env, "SLURM_NNODES")
         job = f"{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}"
-        return {"source": "Slurm variables", "rank": _int(env, "SLURM_PROCID"), "size": _int(env, "SLURM_NTASKS"),
-                "local_rank": _int(env, "SLURM_LOCALID"), "local_size": None,
-                "single_host": nodes == 1, "job_id": job, **shared}  # fmt: skip
+        return {
+            "source": "Slurm variables",
+            "rank": _int(env, "SLURM_PROCID"),
+            "size": _int(env, "SLURM_NTASKS"),
+            "local_rank": _int(env, "SLURM_LOCALID"),
+            "local_size": None,
+            "single_host": nodes == 1,
+            "job_id": job,
+            **shared,
+        }
     return {"source": "environment", **shared}
 
 
@@ -163,10 +202,14 @@ def interface_address(ifname: str) -> str:
     """IPv4 address of a network interface (like ``NCCL_SOCKET_IFNAME``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
-            packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15]))  # SIOCGIFADDR
+            packed = fcntl.ioctl(
+                probe.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15])
+            )  # SIOCGIFADDR
         except OSError:
             names = ", ".join(name for _, name in socket.if_nameindex())
-            raise ConfigError(f"RINGCORE_IFNAME={ifname!r} has no IPv4 address; interfaces: {names}") from None
+            raise ConfigError(
+                f"RINGCORE_IFNAME={ifname!r} has no IPv4 address; interfaces: {names}"
+            ) from None
     return socket.inet_ntoa(packed[20:24])
 
 
@@ -218,7 +261,9 @@ class StoreServer:
             except OSError:
                 return
             self.clients.append(sock)
-            threading.Thread(target=self._serve, args=(sock,), name="ringcore-store-client", daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(sock,), name="ringcore-store-client", daemon=True
+            ).start()
 
     def _serve(self, sock: socket.socket) -> None:
         try:
@@ -260,16 +305,12 @@ class StoreServer:
         self.closed = True
         with self.cond:
             self.cond.notify_all()
-        try:
+        with contextlib.suppress(OSError):
             self.listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
-        except OSError:
-            pass
         self.listener.close()
         for sock in self.clients:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             sock.close()
         self.thread.join(timeout=5)
 
@@ -292,7 +333,9 @@ class StoreClient:
         """The value of ``key``, waiting up to ``timeout`` s for it to be set."""
         status, value = self._call(["get", key, timeout], timeout + 30.0)
         if status == "timeout":
-            raise CollectiveTimeout(f"timed out after {timeout:g} s waiting for {key!r} in the rendezvous store")
+            raise CollectiveTimeout(
+                f"timed out after {timeout:g} s waiting for {key!r} in the rendezvous store"
+            )
         return value
 
     def add(self, key: str, delta: int) -> int:
@@ -324,7 +367,9 @@ def _connect_with_retry(host: str, port: int, timeout: float) -> socket.socket:
     delay = 0.01
     while True:
         try:
-            sock = socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+            sock = socket.create_connection(
+                (host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))
+            )
         except OSError as err:
             if time.monotonic() + delay > deadline:
                 raise CollectiveTimeout(

@@ -18,12 +18,15 @@ directly or not, from all others.
 
 from __future__ import annotations
 
+import functools
+
 from ringcore.algo.ring import neighbours
 from ringcore.algo.steps import Buf, Region, Schedule, Step, segment_count
 
 _EMPTY = Region(Buf.WORK, 0, 0)
 
 
+@functools.lru_cache(maxsize=256)
 def broadcast(rank: int, size: int, root: int, count: int, itemsize: int, segment_bytes: int) -> Schedule:
     """Chain broadcast from ``root``; non-roots' result is WORK, the root's is unchanged."""
     left, right = neighbours(rank, size)
@@ -36,14 +39,11 @@ def broadcast(rank: int, size: int, root: int, count: int, itemsize: int, segmen
         )
         return Schedule(steps, segments, None)
     data = Region(Buf.WORK, 0, count)
-    forward = (
-        Step(right, data, phase=0)
-        if position < size - 1
-        else Step(right, _EMPTY, whole=True, phase=1)
-    )
+    forward = Step(right, data, phase=0) if position < size - 1 else Step(right, _EMPTY, whole=True, phase=1)
     return Schedule((Step(recv_peer=left, recv=data, phase=0), forward), segments, data)
 
 
+@functools.lru_cache(maxsize=256)
 def barrier(rank: int, size: int) -> Schedule:
     """Dissemination barrier: ceil(log2 N) rounds of empty frames."""
     steps = []

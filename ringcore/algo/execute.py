@@ -1,9 +1,11 @@
 """Run a :class:`~ringcore.algo.steps.Schedule` over a transport: the only algo code that does I/O.
 
-Theory of operation. The schedule is unrolled into (step, segment) items.
-Sends and receives are queued per connection in (step, segment) order, the
-order the transport's FIFO matching needs, and each is posted as soon as it
-is allowed:
+Theory of operation. The schedule is compiled once into a :class:`Program`:
+every (step, segment) item with its regions already cut, its sends and
+receives queued per connection in (step, segment) order, the order the
+transport's FIFO matching needs. Programs are cached per transport, so a
+training loop that reduces the same tensors pays the compilation once. Each
+run posts every send and receive as soon as it is allowed:
 
 * a send of segment k at step s waits until segment k of every earlier step
   has been received and combined (``done_upto[k] >= s``): what it sends is
@@ -24,7 +26,9 @@ segment into the same region of WORK (which is in the wire dtype).
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import weakref
 from collections import deque
 
 import numpy as np
@@ -35,12 +39,73 @@ from ringcore.kernels.numpy_ops import Reducer
 from ringcore.transport import wire
 from ringcore.transport.base import Request, Transport
 
-Key = tuple[int, int, int]
+Key = tuple[int, int, int]  # (buffer, first element, end element)
+Route = tuple[int, int]  # (peer, channel)
 Item = tuple[int, int]  # (step, segment)
 
 
 def _key(region: Region) -> Key:
-    return (int(region.buf), region.start, region.count)
+    return (int(region.buf), region.start, region.start + region.count)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A schedule unrolled for one transport: every item's regions, tag and connection."""
+
+    steps: tuple[Step, ...]
+    segments: int
+    sends: dict[Route, tuple[tuple[int, int, Key, int], ...]]  # (step, segment, source, tag bits)
+    recvs: dict[Route, tuple[tuple[int, int, Key, int], ...]]  # (step, segment, target, tag bits)
+    combines: dict[Item, tuple[Key, Key, Key] | None]
+
+
+# transport -> id(schedule) -> (schedule, program); holding the schedule keeps its id unique.
+_programs: weakref.WeakKeyDictionary[object, dict[int, tuple[Schedule, Program]]] = (
+    weakref.WeakKeyDictionary()
+)
+_CACHE_SIZE = 64
+
+
+def compile_program(schedule: Schedule, transport: Transport) -> Program:
+    """Unroll ``schedule`` for ``transport``, cached per transport and schedule object.
+
+    The schedule builders are memoized, so repeated collectives of the same
+    shape hit this cache without hashing the schedule.
+    """
+    cache = _programs.setdefault(transport, {})
+    entry = cache.get(id(schedule))
+    if entry is None:
+        if len(cache) >= _CACHE_SIZE:
+            cache.pop(next(iter(cache)))
+        entry = cache[id(schedule)] = (schedule, _unroll(schedule, transport))
+    return entry[1]
+
+
+def _unroll(schedule: Schedule, transport: Transport) -> Program:
+    sends: dict[Route, list[tuple[int, int, Key, int]]] = {}
+    recvs: dict[Route, list[tuple[int, int, Key, int]]] = {}
+    combines: dict[Item, tuple[Key, Key, Key] | None] = {}
+    for s, step in enumerate(schedule.steps):
+        for k in range(1) if step.whole else range(schedule.segments):
+
+            def cut(region: Region, step: Step = step, k: int = k) -> Key:
+                return _key(region if step.whole else region.segment(k, schedule.segments))
+
+            bits = wire.make_tag(0, step.phase, k)
+            if step.send is not None:
+                route = (step.send_peer, transport.route(step.send_peer, k))
+                sends.setdefault(route, []).append((s, k, cut(step.send), bits))
+            if step.recv is not None:
+                route = (step.recv_peer, transport.route(step.recv_peer, k))
+                recvs.setdefault(route, []).append((s, k, cut(step.recv), bits))
+                combines[(s, k)] = tuple(cut(r) for r in step.reduce) if step.reduce else None  # type: ignore[assignment]
+    return Program(
+        schedule.steps,
+        schedule.segments,
+        {route: tuple(items) for route, items in sends.items()},
+        {route: tuple(items) for route, items in recvs.items()},
+        combines,
+    )
 
 
 class Executor:
@@ -66,77 +131,51 @@ class Executor:
         signature: int,
         timeout: float,
     ) -> None:
+        program = compile_program(schedule, transport)
         self.transport = transport
-        self.steps = schedule.steps
-        self.segments = schedule.segments
-        self.arrays = arrays
+        self.steps = program.steps
+        self.segments = program.segments
+        self.combines = program.combines
+        self.arrays = [arrays.get(buf) for buf in Buf]
         self.reducer = reducer
-        self.seq = seq
+        self.seq_bits = wire.make_tag(seq, 0, 0)
         self.signature = signature
         self.timeout = timeout
-        self.wire_dtype = arrays[Buf.WORK].dtype if Buf.WORK in arrays else None
-        nsteps = len(self.steps)
+        work = arrays.get(Buf.WORK)
+        user = arrays.get(Buf.USER)
+        self.pack = work is not None and user is not None and work.dtype != user.dtype
         self.step_done = [[step.recv is None] * self.segments for step in self.steps]
         self.done_upto = [0] * self.segments
+        self._advance_all()
         self.sending: dict[Key, int] = {}
         self.receiving: set[Key] = set()
-        self.send_queues: dict[tuple[int, int], deque[Item]] = {}
-        self.recv_queues: dict[tuple[int, int], deque[Item]] = {}
-        self.posted_sends: dict[tuple[int, int], deque[tuple[Request, Key]]] = {}
-        self.posted_recvs: dict[tuple[int, int], deque[tuple[Request, Item]]] = {}
-        self.to_combine: deque[Item] = deque()
-        self._unroll(nsteps)
-
-    def _parts(self, step: Step) -> range:
-        return range(1) if step.whole else range(self.segments)
-
-    def _region(self, region: Region, step: Step, k: int) -> Region:
-        return region if step.whole else region.segment(k, self.segments)
-
-    def _unroll(self, nsteps: int) -> None:
-        for s in range(nsteps):
-            step = self.steps[s]
-            for k in self._parts(step):
-                if step.send is not None:
-                    route = (step.send_peer, self.transport.route(step.send_peer, k))
-                    self.send_queues.setdefault(route, deque()).append((s, k))
-                if step.recv is not None:
-                    route = (step.recv_peer, self.transport.route(step.recv_peer, k))
-                    self.recv_queues.setdefault(route, deque()).append((s, k))
-        for route in self.send_queues:
-            self.posted_sends[route] = deque()
-        for route in self.recv_queues:
-            self.posted_recvs[route] = deque()
+        self.send_queues = {route: deque(items) for route, items in program.sends.items()}
+        self.recv_queues = {route: deque(items) for route, items in program.recvs.items()}
+        self.posted_sends: dict[Route, deque[tuple[Request, Key]]] = {r: deque() for r in program.sends}
+        self.posted_recvs: dict[Route, deque[tuple[Request, Item, Key]]] = {r: deque() for r in program.recvs}
+        self.to_combine: deque[tuple[Item, Key]] = deque()
+        self.outstanding = sum(len(q) for q in self.send_queues.values()) + sum(
+            len(q) for q in self.recv_queues.values()
+        )
 
     def run(self) -> None:
         """Post, progress and combine until every step is done."""
         last_moved = time.monotonic()
         while True:
             busy = self._post_sends() | self._post_recvs() | self._complete()
-            if self._finished():
+            if not self.outstanding:
                 return
             moved = self.transport.progress(0.0 if busy else 0.5)
-            now = time.monotonic()
             if busy or moved:
-                last_moved = now
-            elif now - last_moved > self.timeout:
+                last_moved = time.monotonic()
+            elif time.monotonic() - last_moved > self.timeout:
                 raise CollectiveTimeout(f"no progress for {self.timeout:g} s: {self.pending()}")
 
-    def _finished(self) -> bool:
-        return not (
-            self.to_combine
-            or any(self.send_queues.values())
-            or any(self.recv_queues.values())
-            or any(self.posted_sends.values())
-            or any(self.posted_recvs.values())
-        )
+    def _view(self, key: Key) -> memoryview:
+        return memoryview(self.arrays[key[0]][key[1] : key[2]]).cast("B")
 
-    def _tag(self, s: int, k: int) -> int:
-        return wire.make_tag(self.seq, self.steps[s].phase, k)
-
-    def _view(self, region: Region) -> memoryview:
-        array = self.arrays[region.buf][region.start : region.start + region.count]
-        return memoryview(array).cast("B")
+    def _array(self, key: Key) -> np.ndarray:
+        return self.arrays[key[0]][key[1] : key[2]]
 
     def _send_ready(self, s: int, k: int) -> bool:
         if self.steps[s].whole:
@@ -146,43 +185,33 @@ class Executor:
     def _post_sends(self) -> bool:
         posted = False
         for route, queue in self.send_queues.items():
-            while queue and self._send_ready(*queue[0]):
-                s, k = queue.popleft()
-                step = self.steps[s]
-                region = self._wire_region(self._region(step.send, step, k))
-                key = _key(region)
-                request = self.transport.isend(route[0], route[1], self._tag(s, k), self.signature,
-                                               self._view(region))  # fmt: skip
+            while queue and self._send_ready(queue[0][0], queue[0][1]):
+                _s, _k, key, bits = queue.popleft()
+                if self.pack and key[0] == Buf.USER:
+                    packed = (int(Buf.WORK), key[1], key[2])
+                    self.reducer.convert(self._array(packed), self._array(key))
+                    key = packed
+                request = self.transport.isend(
+                    route[0], route[1], self.seq_bits | bits, self.signature, self._view(key)
+                )
                 self.sending[key] = self.sending.get(key, 0) + 1
                 self.posted_sends[route].append((request, key))
                 posted = True
         return posted
 
-    def _wire_region(self, region: Region) -> Region:
-        """Where a send's bytes come from: USER, or its compressed copy in WORK."""
-        if region.buf != Buf.USER or self.wire_dtype is None or self.wire_dtype == self.arrays[Buf.USER].dtype:
-            return region
-        packed = Region(Buf.WORK, region.start, region.count)
-        self.reducer.convert(self._array(packed), self._array(region))
-        return packed
-
-    def _array(self, region: Region) -> np.ndarray:
-        return self.arrays[region.buf][region.start : region.start + region.count]
-
     def _post_recvs(self) -> bool:
         posted = False
         for route, queue in self.recv_queues.items():
             while queue:
-                s, k = queue[0]
-                step = self.steps[s]
-                key = _key(self._region(step.recv, step, k))
-                if key in self.sending or key in self.receiving:
-                    break
+                s, k, key, bits = queue[0]
+                if key[1] < key[2] and (key in self.sending or key in self.receiving):
+                    break  # an empty region conflicts with nothing
                 queue.popleft()
                 self.receiving.add(key)
-                view = self._view(self._region(step.recv, step, k))
-                request = self.transport.irecv(route[0], route[1], self._tag(s, k), self.signature, view)
-                self.posted_recvs[route].append((request, (s, k)))
+                request = self.transport.irecv(
+                    route[0], route[1], self.seq_bits | bits, self.signature, self._view(key)
+                )
+                self.posted_recvs[route].append((request, (s, k), key))
                 posted = True
         return posted
 
@@ -194,41 +223,52 @@ class Executor:
                 self.sending[key] -= 1
                 if not self.sending[key]:
                     del self.sending[key]
+                self.outstanding -= 1
                 progressed = True
         for posted in self.posted_recvs.values():
             while posted and posted[0][0].done:
-                self.to_combine.append(posted.popleft()[1])
+                _, item, key = posted.popleft()
+                self.to_combine.append((item, key))
                 progressed = True
         while self.to_combine and self._combine(*self.to_combine[0]):
             self.to_combine.popleft()
+            self.outstanding -= 1
             progressed = True
         return progressed
 
-    def _combine(self, s: int, k: int) -> bool:
+    def _combine(self, item: Item, recv_key: Key) -> bool:
         """Combine a received segment (if the step says so); False if it must wait."""
-        step = self.steps[s]
-        if step.reduce is not None:
-            dst, a, b = (self._region(r, step, k) for r in step.reduce)
-            if _key(dst) in self.sending:
+        regions = self.combines[item]
+        if regions is not None:
+            dst, a, b = regions
+            if dst[1] < dst[2] and dst in self.sending:
                 return False
-            self.reducer.combine(self._array(dst), self._array(a), self._array(b), final=step.final)
-        self.receiving.discard(_key(self._region(step.recv, step, k)))
-        self._mark_done(s, k)
+            final = self.steps[item[0]].final
+            self.reducer.combine(self._array(dst), self._array(a), self._array(b), final=final)
+        self.receiving.discard(recv_key)
+        self._mark_done(*item)
         return True
 
     def _mark_done(self, s: int, k: int) -> None:
         parts = range(self.segments) if self.steps[s].whole else (k,)
         for part in parts:
             self.step_done[s][part] = True
-            upto = self.done_upto[part]
-            while upto < len(self.steps) and self.step_done[upto][part]:
-                upto += 1
-            self.done_upto[part] = upto
+            self._advance(part)
+
+    def _advance(self, part: int) -> None:
+        upto = self.done_upto[part]
+        while upto < len(self.steps) and self.step_done[upto][part]:
+            upto += 1
+        self.done_upto[part] = upto
+
+    def _advance_all(self) -> None:
+        for part in range(self.segments):
+            self._advance(part)
 
     def pending(self) -> str:
         """What the run is waiting for, for error messages."""
         waits = [
-            f"receive from rank {route[0]} ({wire.describe_tag(self._tag(*posted[0][1]))})"
+            f"receive from rank {route[0]} ({wire.describe_tag(posted[0][0].tag)})"
             for route, posted in self.posted_recvs.items()
             if posted
         ]

@@ -15,9 +15,12 @@ buffer is large; the comm picks by size (``RINGCORE_SMALL_BYTES``).
 
 from __future__ import annotations
 
+import functools
+
 from ringcore.algo.steps import Buf, Region, Schedule, Step, segment_count
 
 
+@functools.lru_cache(maxsize=256)
 def allreduce(rank: int, size: int, count: int, itemsize: int, segment_bytes: int) -> Schedule:
     """Recursive-doubling allreduce of ``count`` elements; the result is WORK."""
     segments = segment_count(count, itemsize, segment_bytes)

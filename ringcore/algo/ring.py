@@ -22,9 +22,11 @@ Cost per rank: 2(N-1) steps; 2(N-1)/N of the buffer sent and received;
 
 from __future__ import annotations
 
+import functools
+
 from ringcore.algo.steps import Buf, Region, Schedule, Step, chunk_bounds, segment_count
 
-Chunks = list[tuple[int, int]]
+Chunks = tuple[tuple[int, int], ...]  # (start, count) per rank; a tuple so schedules can be memoized
 
 
 def neighbours(rank: int, size: int) -> tuple[int, int]:
@@ -65,14 +67,16 @@ def allgather_steps(rank: int, size: int, chunks: Chunks, first_phase: int = 0) 
     return steps
 
 
+@functools.lru_cache(maxsize=256)
 def allreduce(rank: int, size: int, count: int, itemsize: int, segment_bytes: int) -> Schedule:
     """Ring allreduce of ``count`` elements; the result is all of WORK."""
-    chunks = chunk_bounds(count, size)
+    chunks = tuple(chunk_bounds(count, size))
     steps = scatter_reduce_steps(rank, size, chunks) + allgather_steps(rank, size, chunks, size - 1)
     segments = segment_count(max(n for _, n in chunks), itemsize, segment_bytes)
     return Schedule(tuple(steps), segments, Region(Buf.WORK, 0, count))
 
 
+@functools.lru_cache(maxsize=256)
 def reduce_scatter(rank: int, size: int, chunks: Chunks, itemsize: int, segment_bytes: int) -> Schedule:
     """Ring reduce-scatter; the result is this rank's chunk of WORK."""
     segments = segment_count(max(n for _, n in chunks), itemsize, segment_bytes)
@@ -80,6 +84,7 @@ def reduce_scatter(rank: int, size: int, chunks: Chunks, itemsize: int, segment_
     return Schedule(steps, segments, Region(Buf.WORK, *chunks[rank]))
 
 
+@functools.lru_cache(maxsize=256)
 def allgather(rank: int, size: int, chunks: Chunks, itemsize: int, segment_bytes: int) -> Schedule:
     """Ring allgather over WORK, which must already hold this rank's chunk."""
     segments = segment_count(max(n for _, n in chunks), itemsize, segment_bytes)

@@ -25,6 +25,7 @@ the listening socket is dropped.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import select
@@ -274,10 +275,8 @@ class TcpTransport:
             except OSError:
                 pass
         for conn in self.conns.values():
-            try:
+            with contextlib.suppress(OSError):
                 conn.sock.close()
-            except OSError:
-                pass
 
 
 def needed_links(rank: int, size: int, channels: int) -> list[tuple[int, int]]:
