@@ -1,0 +1,385 @@
+"""One conformance suite every transport must pass: loopback (zero capacity) and TCP on 127.0.0.1.
+
+Each rank's work runs on its own thread and drives its own ``progress``, as the
+executor does, so a transport that needs the peer to be inside ``progress`` at
+the same moment (or that deadlocks when both sides send large frames at once)
+fails here.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from ringcore.errors import PeerFailure
+from ringcore.transport import wire
+from ringcore.transport.base import FrameMismatch, PeerAborted, Request
+from ringcore.transport.loopback import LoopbackNetwork
+from ringcore.transport.tcp import connect_mesh, make_listener
+
+pytestmark = pytest.mark.timeout(60)
+
+SESSION = 0xC0FFEE
+SIG = 0x1234
+DEADLINE = 15.0
+
+Mesh = Callable[..., list]
+
+
+def tcp_mesh(size: int, channels: int, before: Callable[[list[socket.socket]], None] | None = None) -> list:
+    listeners = [make_listener("127.0.0.1", 0) for _ in range(size)]
+    addresses = [s.getsockname()[:2] for s in listeners]
+    if before is not None:
+        before(listeners)
+    transports: list = [None] * size
+    errors: list = []
+
+    def connect(rank: int) -> None:
+        try:
+            transports[rank] = connect_mesh(
+                rank, size, channels, listeners[rank], addresses, SESSION, 0, 20.0
+            )
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=connect, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for listener in listeners:
+        listener.close()
+    assert not errors, errors
+    assert all(t is not None for t in transports)
+    return transports
+
+
+@pytest.fixture(params=["loopback", "tcp"])
+def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
+    made: list = []
+
+    def make(size: int = 3, channels: int = 2) -> list:
+        if request.param == "loopback":
+            network = LoopbackNetwork(size, channels)
+            transports = [network.transport(r) for r in range(size)]
+        else:
+            transports = tcp_mesh(size, channels)
+        made.extend(transports)
+        return transports
+
+    yield make
+    for transport in made:
+        transport.close()
+
+
+@pytest.fixture
+def tcp() -> Iterator[Callable[..., list]]:
+    made: list = []
+
+    def make(size: int = 3, channels: int = 1, before=None) -> list:
+        transports = tcp_mesh(size, channels, before)
+        made.extend(transports)
+        return transports
+
+    yield make
+    for transport in made:
+        transport.close()
+
+
+def drive(transport, requests: list[Request], deadline: float = DEADLINE) -> None:
+    end = time.monotonic() + deadline
+    while not all(r.done for r in requests):
+        if time.monotonic() > end:
+            pytest.fail(f"requests not done after {deadline} s")
+        transport.progress(0.05)
+
+
+def drive_for(transport, seconds: float) -> None:
+    """Call progress for a while; any error it raises propagates."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        transport.progress(0.02)
+
+
+def in_parallel(*bodies: Callable[[], object]) -> list[object]:
+    results: list[object] = [None] * len(bodies)
+    errors: list[BaseException | None] = [None] * len(bodies)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = bodies[i]()
+        except BaseException as err:
+            errors[i] = err
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE * 2)
+    assert not any(t.is_alive() for t in threads), "a rank thread hung"
+    for err in errors:
+        if err is not None:
+            raise err
+    return results
+
+
+def view(array: np.ndarray) -> memoryview:
+    return memoryview(array).cast("B")
+
+
+# --------------------------------------------------------------------------- data
+
+
+def test_fifo_matching_per_peer_and_channel(mesh: Mesh) -> None:
+    t = mesh(3, 2)
+    frames = {ch: [np.arange(10, dtype=np.int32) * (ch + 1) + i for i in range(5)] for ch in range(2)}
+    outs = {ch: [np.zeros(10, np.int32) for _ in range(5)] for ch in range(2)}
+
+    def sender() -> None:
+        reqs = [
+            t[0].isend(1, ch, wire.make_tag(1, i, ch), SIG, view(f))
+            for ch in range(2)
+            for i, f in enumerate(frames[ch])
+        ]
+        drive(t[0], reqs)
+
+    def receiver() -> None:
+        reqs = [
+            t[1].irecv(0, ch, wire.make_tag(1, i, ch), SIG, view(o))
+            for ch in range(2)
+            for i, o in enumerate(outs[ch])
+        ]
+        drive(t[1], reqs)
+
+    in_parallel(sender, receiver)
+    for ch in range(2):
+        for want, got in zip(frames[ch], outs[ch], strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_every_pair_both_directions(mesh: Mesh) -> None:
+    size = 4
+    t = mesh(size, 1)
+
+    def rank_body(rank: int) -> Callable[[], dict[int, np.ndarray]]:
+        def body() -> dict[int, np.ndarray]:
+            outs = {p: np.zeros(5, np.float64) for p in range(size) if p != rank}
+            reqs = [t[rank].irecv(p, 0, 7, SIG, view(o)) for p, o in outs.items()]
+            mine = np.full(5, float(rank))
+            reqs += [t[rank].isend(p, 0, 7, SIG, view(mine)) for p in outs]
+            drive(t[rank], reqs)
+            return outs
+
+        return body
+
+    results = in_parallel(*(rank_body(r) for r in range(size)))
+    for outs in results:
+        for peer, got in outs.items():  # type: ignore[union-attr]
+            np.testing.assert_array_equal(got, np.full(5, float(peer)))
+
+
+def test_zero_byte_frames(mesh: Mesh) -> None:
+    t = mesh(2, 1)
+    empty = np.empty(0, np.uint8)
+    after = np.array([1, 2, 3], np.uint8)
+    got = np.zeros(3, np.uint8)
+
+    def sender() -> None:
+        reqs = [t[0].isend(1, 0, 1, SIG, view(empty)), t[0].isend(1, 0, 2, SIG, view(empty)),
+                t[0].isend(1, 0, 3, SIG, view(after))]  # fmt: skip
+        drive(t[0], reqs)
+
+    def receiver() -> None:
+        reqs = [t[1].irecv(0, 0, 1, SIG, view(empty)), t[1].irecv(0, 0, 2, SIG, view(empty)),
+                t[1].irecv(0, 0, 3, SIG, view(got))]  # fmt: skip
+        drive(t[1], reqs)
+
+    in_parallel(sender, receiver)
+    np.testing.assert_array_equal(got, after)
+
+
+def test_large_frames_both_directions_at_once(mesh: Mesh) -> None:
+    """8 MiB each way, both ranks sending before receiving: far beyond any socket buffer."""
+    t = mesh(2, 1)
+    n = 8 << 20
+    data = [np.frombuffer(np.random.default_rng(r).bytes(n), np.uint8) for r in range(2)]
+    outs = [np.zeros(n, np.uint8) for _ in range(2)]
+
+    def body(rank: int) -> Callable[[], None]:
+        def run() -> None:
+            send = t[rank].isend(1 - rank, 0, 9, SIG, memoryview(data[rank]))
+            recv = t[rank].irecv(1 - rank, 0, 9, SIG, memoryview(outs[rank]))
+            drive(t[rank], [send, recv], deadline=40)
+
+        return run
+
+    in_parallel(body(0), body(1))
+    assert outs[0].tobytes() == data[1].tobytes()
+    assert outs[1].tobytes() == data[0].tobytes()
+
+
+def test_many_channels(mesh: Mesh) -> None:
+    channels = 6
+    t = mesh(3, channels)
+    outs = [np.zeros(4, np.int64) for _ in range(channels)]
+
+    def sender() -> None:
+        reqs = [
+            t[2].isend(0, ch, ch, SIG, view(np.full(4, ch, np.int64))) for ch in reversed(range(channels))
+        ]
+        drive(t[2], reqs)
+
+    def receiver() -> None:
+        drive(t[0], [t[0].irecv(2, ch, ch, SIG, view(outs[ch])) for ch in range(channels)])
+
+    in_parallel(sender, receiver)
+    for ch, got in enumerate(outs):
+        np.testing.assert_array_equal(got, np.full(4, ch))
+
+
+def test_route_is_symmetric(mesh: Mesh) -> None:
+    size, channels = 5, 3
+    t = mesh(size, channels)
+    for a in range(size):
+        for b in range(size):
+            if a == b:
+                continue
+            for segment in range(10):
+                channel = t[a].route(b, segment)
+                assert 0 <= channel < channels
+                assert channel == t[b].route(a, segment)
+
+
+# --------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize(
+    ("field", "send", "recv"),
+    [
+        ("signature", (5, 111, 8), (5, 222, 8)),
+        ("tag", (5, SIG, 8), (6, SIG, 8)),
+        ("nbytes", (5, SIG, 8), (5, SIG, 16)),
+    ],
+)
+def test_mismatch_fails_the_receiver(mesh: Mesh, field: str, send: tuple, recv: tuple) -> None:
+    t = mesh(2, 1)
+    sent = np.ones(send[2], np.uint8)
+    out = np.zeros(recv[2], np.uint8)
+    request = t[0].isend(1, 0, send[0], send[1], view(sent))
+
+    def sender() -> None:  # zero capacity: the send may never complete; just keep pushing
+        end = time.monotonic() + 1.0
+        while not request.done and time.monotonic() < end:
+            t[0].progress(0.02)
+
+    def receiver() -> FrameMismatch:
+        t[1].irecv(0, 0, recv[0], recv[1], view(out))
+        with pytest.raises(FrameMismatch) as info:
+            drive_for(t[1], DEADLINE)
+        return info.value
+
+    _, err = in_parallel(sender, receiver)
+    assert err.field == field and err.peer == 0  # type: ignore[union-attr]
+    assert "rank 0" in str(err)
+    assert not np.any(out), "a mismatched frame must not be written into the receive buffer"
+
+
+def test_peer_close_with_a_posted_receive(mesh: Mesh) -> None:
+    t = mesh(3, 1)
+    out = np.zeros(4, np.uint8)
+    t[0].irecv(1, 0, 1, SIG, view(out))
+    t[1].close()
+    with pytest.raises(PeerFailure) as info:
+        drive_for(t[0], DEADLINE)
+    assert info.value.peer == 1
+    assert "rank 1" in str(info.value)
+
+
+def test_peer_close_with_nothing_posted_is_quiet_until_a_receive(mesh: Mesh) -> None:
+    """A clean close (BYE) is not an error by itself; a later receive from that peer is."""
+    t = mesh(3, 1)
+    t[1].close()
+    drive_for(t[0], 0.3)  # must not raise
+    # the other peers still work
+    got = np.zeros(2, np.int16)
+    in_parallel(
+        lambda: drive(t[2], [t[2].isend(0, 0, 4, SIG, view(np.array([7, 8], np.int16)))]),
+        lambda: drive(t[0], [t[0].irecv(2, 0, 4, SIG, view(got))]),
+    )
+    np.testing.assert_array_equal(got, [7, 8])
+    t[0].irecv(1, 0, 1, SIG, view(np.zeros(4, np.uint8)))
+    with pytest.raises(PeerFailure) as info:
+        drive_for(t[0], DEADLINE)
+    assert info.value.peer == 1
+
+
+def test_abort_reaches_peers_with_the_reason(mesh: Mesh) -> None:
+    t = mesh(3, 2)
+    reason = {"kind": "timeout", "culprit": 1, "message": "rank 1 gave up: no progress"}
+    for rank in (0, 2):
+        t[rank].irecv(1, 0, 1, SIG, view(np.zeros(4, np.uint8)))
+    t[1].abort(reason)
+    for rank in (0, 2):
+        with pytest.raises(PeerAborted) as info:
+            drive_for(t[rank], DEADLINE)
+        assert info.value.peer == 1
+        assert info.value.reason == reason
+        assert "gave up" in str(info.value)
+
+
+def test_close_is_idempotent(mesh: Mesh) -> None:
+    t = mesh(2, 1)
+    t[0].close()
+    t[0].close()
+    assert isinstance(t[0].peer_name(1), str)
+
+
+# --------------------------------------------------------------------------- TCP only
+
+
+def test_tcp_accept_drops_bad_hellos(tcp: Callable[..., list]) -> None:
+    intruders: list[socket.socket] = []
+
+    def before(listeners: list[socket.socket]) -> None:
+        address = listeners[0].getsockname()[:2]
+        for payload in (
+            b"\x00" * wire.HEADER_BYTES,  # bad magic
+            wire.pack(wire.HELLO, 1, 0, SESSION + 1),  # another job
+            wire.pack(wire.DATA, 1, 0, SESSION),  # not a HELLO
+            wire.pack(wire.HELLO, 9, 0, SESSION),  # no such rank
+            b"RC",  # truncated, then closed
+        ):
+            sock = socket.create_connection(address, timeout=5)
+            sock.sendall(payload)
+            if payload == b"RC":
+                sock.close()
+            else:
+                intruders.append(sock)
+
+    t = tcp(3, 1, before)
+    got = np.zeros(3, np.int32)
+    in_parallel(
+        lambda: drive(t[2], [t[2].isend(0, 0, 1, SIG, view(np.array([1, 2, 3], np.int32)))]),
+        lambda: drive(t[0], [t[0].irecv(2, 0, 1, SIG, view(got))]),
+    )
+    np.testing.assert_array_equal(got, [1, 2, 3])
+    for sock in intruders:
+        sock.close()
+
+
+def test_tcp_peer_names_are_addresses(tcp: Callable[..., list]) -> None:
+    t = tcp(2, 1)
+    assert t[0].peer_name(1).startswith("127.0.0.1:")
+    assert t[1].peer_name(0).startswith("127.0.0.1:")
+
+
+def test_tcp_channels_beyond_zero_go_to_ring_neighbours(tcp: Callable[..., list]) -> None:
+    """Rank 0 and rank 2 of 5 are not neighbours: their segments all route over channel 0."""
+    t = tcp(5, 3)
+    assert {t[0].route(2, k) for k in range(6)} == {0}
+    assert {t[0].route(1, k) for k in range(6)} == {0, 1, 2}
