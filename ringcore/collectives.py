@@ -70,6 +70,8 @@ def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
             reducer = Reducer(buffer.dtype, reduce_op, comp, comm.size)
             schedule = _allreduce_schedule(comm, buffer.count, reducer.wire_dtype.itemsize)
             arrays = comm.scratch_arrays(schedule, buffer, reducer.wire_dtype)
+            if schedule.prefill_work:
+                reducer.convert(arrays[Buf.WORK], buffer.array)
             comm.execute(desc, schedule, arrays, reducer)
             reducer.convert(buffer.array, arrays[Buf.WORK])
         return obj

@@ -26,7 +26,7 @@ def parse_size(text: str, name: str = "size") -> int:
     number = raw[: len(raw) - len(suffix)]
     try:
         value = int(float(number) * _SUFFIXES[suffix])
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ConfigError(f"{name}={text!r} is not a size; use e.g. 4096, 512K, 4M or 1G") from None
     if value < 0:
         raise ConfigError(f"{name}={text!r} must not be negative")

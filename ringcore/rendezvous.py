@@ -273,6 +273,12 @@ class StoreServer:
             sock.close()
 
     def _handle(self, request: Any) -> list[Any]:
+        try:
+            return self._dispatch(request)
+        except (TypeError, ValueError, OverflowError) as err:
+            return ["error", f"bad arguments: {err}"]
+
+    def _dispatch(self, request: Any) -> list[Any]:
         if not isinstance(request, list) or not request or not isinstance(request[0], str):
             return ["error", "malformed request"]
         op, args = request[0], request[1:]

@@ -29,6 +29,8 @@ _EMPTY = Region(Buf.WORK, 0, 0)
 @functools.lru_cache(maxsize=256)
 def broadcast(rank: int, size: int, root: int, count: int, itemsize: int, segment_bytes: int) -> Schedule:
     """Chain broadcast from ``root``; non-roots' result is WORK, the root's is unchanged."""
+    if size == 1:
+        return Schedule((), 1, None)
     left, right = neighbours(rank, size)
     segments = segment_count(count, itemsize, segment_bytes)
     position = (rank - root) % size

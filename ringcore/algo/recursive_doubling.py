@@ -1,6 +1,9 @@
 """Recursive-doubling allreduce: the latency-optimal schedule for small buffers.
 
-Theory of operation. Let P be the largest power of two <= N and E = N - P.
+Theory of operation. The schedule works on WORK, which the caller fills with
+this rank's values in the wire dtype first (``prefill_work``): both partners
+of a pair then combine exactly the same operands, fp16 compression included.
+Let P be the largest power of two <= N and E = N - P.
 Ranks r >= P ("extras") first hand their whole vector to r - P, which
 combines it into its own, and get the final result back at the end. Among the
 P others, step i pairs r with r XOR 2^i; both send their whole current
@@ -24,32 +27,25 @@ from ringcore.algo.steps import Buf, Region, Schedule, Step, segment_count
 def allreduce(rank: int, size: int, count: int, itemsize: int, segment_bytes: int) -> Schedule:
     """Recursive-doubling allreduce of ``count`` elements; the result is WORK."""
     segments = segment_count(count, itemsize, segment_bytes)
-    whole = {buf: Region(buf, 0, count) for buf in Buf}
+    work, stage = Region(Buf.WORK, 0, count), Region(Buf.STAGE, 0, count)
+    if size == 1:
+        return Schedule((), segments, Region(Buf.USER, 0, count))
     p2 = 1 << (size.bit_length() - 1)
     rounds = p2.bit_length() - 1
     last_phase = rounds + 1
     if rank >= p2:
         partner = rank - p2
-        steps = (
-            Step(partner, whole[Buf.USER], phase=0),
-            Step(recv_peer=partner, recv=whole[Buf.WORK], phase=last_phase),
-        )
-        return Schedule(steps, segments, whole[Buf.WORK])
-    steps_list: list[Step] = []
-    current = Buf.USER
+        steps = (Step(partner, work, phase=0), Step(recv_peer=partner, recv=work, phase=last_phase))
+        return Schedule(steps, segments, work, prefill_work=True)
+    steps: list[Step] = []
     if rank < size - p2:
-        reduce = (whole[Buf.WORK], whole[Buf.USER], whole[Buf.STAGE])
-        steps_list.append(Step(recv_peer=rank + p2, recv=whole[Buf.STAGE], reduce=reduce, phase=0))
-        current = Buf.WORK
+        steps.append(Step(recv_peer=rank + p2, recv=stage, reduce=(work, work, stage), phase=0))
     for i in range(rounds):
         partner = rank ^ (1 << i)
-        mine, theirs = whole[current], whole[Buf.STAGE]
-        lo, hi = (mine, theirs) if rank < partner else (theirs, mine)
-        final = i == rounds - 1
-        steps_list.append(
-            Step(partner, mine, partner, theirs, reduce=(whole[Buf.WORK], lo, hi), final=final, phase=i + 1)
+        lo, hi = (work, stage) if rank < partner else (stage, work)
+        steps.append(
+            Step(partner, work, partner, stage, reduce=(work, lo, hi), final=i == rounds - 1, phase=i + 1)
         )
-        current = Buf.WORK
     if rank < size - p2:
-        steps_list.append(Step(rank + p2, whole[Buf.WORK], phase=last_phase))
-    return Schedule(tuple(steps_list), segments, whole[Buf.WORK])
+        steps.append(Step(rank + p2, work, phase=last_phase))
+    return Schedule(tuple(steps), segments, work, prefill_work=True)

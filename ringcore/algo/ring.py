@@ -70,6 +70,8 @@ def allgather_steps(rank: int, size: int, chunks: Chunks, first_phase: int = 0) 
 @functools.lru_cache(maxsize=256)
 def allreduce(rank: int, size: int, count: int, itemsize: int, segment_bytes: int) -> Schedule:
     """Ring allreduce of ``count`` elements; the result is all of WORK."""
+    if size == 1:
+        return Schedule((), 1, Region(Buf.USER, 0, count))
     chunks = tuple(chunk_bounds(count, size))
     steps = scatter_reduce_steps(rank, size, chunks) + allgather_steps(rank, size, chunks, size - 1)
     segments = segment_count(max(n for _, n in chunks), itemsize, segment_bytes)
@@ -79,6 +81,8 @@ def allreduce(rank: int, size: int, count: int, itemsize: int, segment_bytes: in
 @functools.lru_cache(maxsize=256)
 def reduce_scatter(rank: int, size: int, chunks: Chunks, itemsize: int, segment_bytes: int) -> Schedule:
     """Ring reduce-scatter; the result is this rank's chunk of WORK."""
+    if size == 1:
+        return Schedule((), 1, Region(Buf.USER, *chunks[0]))
     segments = segment_count(max(n for _, n in chunks), itemsize, segment_bytes)
     steps = tuple(scatter_reduce_steps(rank, size, chunks))
     return Schedule(steps, segments, Region(Buf.WORK, *chunks[rank]))

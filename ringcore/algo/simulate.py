@@ -27,6 +27,9 @@ def simulate(schedules: list[Schedule], inputs: list[np.ndarray], reducer: Reduc
     """Run every rank's schedule; return each rank's result region (or its input if none)."""
     size = len(schedules)
     arrays = [_arrays(inputs[r], reducer) for r in range(size)]
+    for rank in range(size):
+        if schedules[rank].prefill_work:
+            reducer.convert(arrays[rank][Buf.WORK], arrays[rank][Buf.USER])
     links: dict[tuple[int, int], deque[tuple[int, np.ndarray]]] = {}
     position = [0] * size
     sent = [False] * size

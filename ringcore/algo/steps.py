@@ -70,11 +70,12 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """A rank's steps for one collective, and where its result ends up."""
+    """A rank's steps for one collective, and where its result ends up (``None``: unchanged)."""
 
     steps: tuple[Step, ...]
     segments: int
     result: Region | None
+    prefill_work: bool = False  # WORK must hold this rank's input (in the wire dtype) before the run
 
     @property
     def buffers(self) -> set[Buf]:

@@ -119,6 +119,10 @@ class Reducer:
 
     def _store(self, dst: np.ndarray, acc: np.ndarray) -> None:
         if self._is_bf16(dst):
+            if acc.dtype != np.float32:  # e.g. unpacking fp16 wire values into bfloat16
+                widened = self._widen_for(acc.size)
+                np.copyto(widened, acc, casting="unsafe")
+                acc = widened
             f32_to_bf16(acc, dst)
         else:
             np.copyto(dst, acc, casting="unsafe")

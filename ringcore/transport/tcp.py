@@ -157,6 +157,8 @@ class _Conn:
             return _recv_exact(self.sock, nbytes)
         except OSError:
             return b""
+        finally:
+            self.sock.setblocking(False)
 
     def check_idle(self) -> None:
         """Look at unread data on a connection with no posted receive."""

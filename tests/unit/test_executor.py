@@ -32,13 +32,20 @@ ALLREDUCES = {"ring": ring.allreduce, "recursive_doubling": recursive_doubling.a
 SIGNATURE = 0x5EED
 
 
-def scratch_arrays(schedule: Schedule, user: np.ndarray, wire_dtype: np.dtype) -> dict[Buf, np.ndarray]:
-    """As ``Communicator.scratch_arrays``: USER plus the scratch buffers the schedule uses."""
+def scratch_arrays(
+    schedule: Schedule, user: np.ndarray, wire_dtype: np.dtype, reducer: Reducer | None = None
+) -> dict[Buf, np.ndarray]:
+    """As ``Communicator.scratch_arrays`` (garbage-filled) plus the prefill ``collectives`` does."""
     arrays = {Buf.USER: user}
     for buf in schedule.buffers - {Buf.USER}:
         arrays[buf] = np.full(user.size, 0x7F, np.uint8).repeat(wire_dtype.itemsize).view(wire_dtype)
     if Buf.WORK not in arrays:
         arrays[Buf.WORK] = np.empty(0, wire_dtype)
+    if schedule.prefill_work:
+        if reducer is None:
+            np.copyto(arrays[Buf.WORK], user, casting="unsafe")
+        else:
+            reducer.convert(arrays[Buf.WORK], user)
     return arrays
 
 
@@ -86,7 +93,7 @@ def allreduce_all(
         user = inputs[rank].copy()
         reducer = Reducer(dtype, op, compression, size)
         schedule = ALLREDUCES[algorithm](rank, size, count, reducer.wire_dtype.itemsize, segment_bytes)
-        arrays = scratch_arrays(schedule, user, reducer.wire_dtype)
+        arrays = scratch_arrays(schedule, user, reducer.wire_dtype, reducer)
         execute(network, rank, schedule, arrays, reducer)
         result = schedule.result
         reducer.convert(user, arrays[result.buf][result.start : result.start + result.count])
@@ -162,7 +169,7 @@ def test_back_to_back_collectives_reuse_the_transport() -> None:
             reducer = Reducer(DTYPES["int32"], ReduceOp.SUM, Compression.NONE, size)
             schedule = ring.allreduce(rank, size, count, 4, 16)
             user = inputs[rank] * seq
-            arrays = scratch_arrays(schedule, user, reducer.wire_dtype)
+            arrays = scratch_arrays(schedule, user, reducer.wire_dtype, reducer)
             Executor(transport, schedule, arrays, reducer, seq, SIGNATURE, RUN_TIMEOUT).run()
             outs.append(arrays[Buf.WORK].copy())
         return outs
@@ -270,7 +277,7 @@ def test_reduce_scatter(size: int) -> None:
         ) -> np.ndarray:
             reducer = Reducer(DTYPES["int64"], ReduceOp.SUM, Compression.NONE, size)
             schedule = ring.reduce_scatter(rank, size, chunks, 8, 24)
-            arrays = scratch_arrays(schedule, inputs[rank].copy(), reducer.wire_dtype)
+            arrays = scratch_arrays(schedule, inputs[rank].copy(), reducer.wire_dtype, reducer)
             execute(network, rank, schedule, arrays, reducer)
             start, n = chunks[rank]
             out = np.empty(n, np.int64)
@@ -377,7 +384,7 @@ def test_missing_rank_times_out(algorithm: str) -> None:
     def target(rank: int) -> None:
         reducer = Reducer(DTYPES["float32"], ReduceOp.SUM, Compression.NONE, size)
         schedule = ALLREDUCES[algorithm](rank, size, count, 4, 32)
-        arrays = scratch_arrays(schedule, np.ones(count, np.float32), reducer.wire_dtype)
+        arrays = scratch_arrays(schedule, np.ones(count, np.float32), reducer.wire_dtype, reducer)
         try:
             Executor(network.transport(rank), schedule, arrays, reducer, 1, SIGNATURE, 0.5).run()
         except BaseException as err:
@@ -408,7 +415,7 @@ def test_signature_mismatch_fails_the_receiver() -> None:
     def target(rank: int) -> None:
         reducer = Reducer(DTYPES["float32"], ReduceOp.SUM, Compression.NONE, size)
         schedule = ring.allreduce(rank, size, count, 4, 1 << 20)
-        arrays = scratch_arrays(schedule, np.ones(count, np.float32), reducer.wire_dtype)
+        arrays = scratch_arrays(schedule, np.ones(count, np.float32), reducer.wire_dtype, reducer)
         try:
             Executor(network.transport(rank), schedule, arrays, reducer, 1, 100 + rank, 1.0).run()
         except BaseException as err:
