@@ -1,14 +1,21 @@
 """From a :class:`~ringcore.rendezvous.WorldSpec` to a connected :class:`~ringcore.comm.Communicator`.
 
-Sequence: rank 0 starts the store; every rank joins it (a duplicate rank is
-an error), opens its data listener on the chosen interface, publishes
-``host:port``, reads everyone else's, checks that all agree on the world
-size, then connects the mesh (``transport.tcp.connect_mesh``). The listener is
-closed once the mesh is up, so no data port stays open.
+Sequence: rank 0 starts the store; every rank joins it through the HMAC
+handshake (a wrong ``RINGCORE_SECRET`` fails here, with a message that says
+so; a duplicate rank is an error), opens its data listener on the chosen
+interface, publishes ``host:port``, reads everyone else's, checks that all
+agree on the world size, then connects the mesh
+(``transport.mesh.connect_mesh``). The listener is closed once the mesh is
+up, so no data port stays open.
+
+Without ``RINGCORE_SECRET`` (set per job by ringcore-run) ringcore warns once
+and runs the same protocol with an empty key, so a rank configured with a
+secret still fails fast against one without.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -18,8 +25,12 @@ from ringcore.comm import Communicator
 from ringcore.config import Settings
 from ringcore.descriptor import rank_list
 from ringcore.errors import CollectiveTimeout, ConfigError
-from ringcore.rendezvous import StoreClient, StoreServer, WorldSpec, listen_address
-from ringcore.transport.tcp import connect_mesh, make_listener
+from ringcore.rendezvous import WorldSpec, listen_address
+from ringcore.store import StoreClient, StoreServer, tls_contexts
+from ringcore.transport.mesh import connect_mesh, make_listener
+
+log = logging.getLogger("ringcore")
+_warned_no_secret = False
 
 
 def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
@@ -31,16 +42,20 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
     """
     if world.size == 1:
         return Communicator(0, 1, 0, 1, settings, None)
-    server = _start_server(world) if world.rank == 0 else None
+    key = _secret(settings)
+    server_tls, client_tls = tls_contexts(settings.tls_cert, settings.tls_key, settings.tls_ca)
+    server = _start_server(world, key, settings, server_tls) if world.rank == 0 else None
     store = listener = None
     try:
-        store = StoreClient(world.addr, world.port, settings.init_timeout)
+        store = StoreClient(
+            world.addr, world.port, settings.init_timeout, key, settings.handshake_timeout, client_tls
+        )
         if store.add(f"join/{world.rank}", 1) > 1:
             raise ConfigError(f"two processes claim rank {world.rank}; check RINGCORE_RANK / the launcher")
         if world.rank == 0:
             store.set("session", secrets.randbits(63))
         host = listen_address(settings, world.addr, world.port)
-        listener = make_listener(host, settings.socket_buffer)
+        listener = make_listener(host, settings.socket_buffer, port_range=settings.port_range)
         store.set(f"peer/{world.rank}", _me(host, listener, world))
         peers = _read_peers(store, world, settings.init_timeout)
         session = int(store.get("session", settings.init_timeout))
@@ -65,9 +80,23 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
     return Communicator(world.rank, world.size, local_rank, local_size, settings, transport, store, server)
 
 
-def _start_server(world: WorldSpec) -> StoreServer:
+def _secret(settings: Settings) -> bytes:
+    global _warned_no_secret
+    if settings.secret is not None:
+        return settings.secret
+    if not _warned_no_secret:
+        log.warning(
+            "RINGCORE_SECRET is not set: connections are authenticated with an empty key, so any "
+            "local process can join this job; set the same secret on every rank "
+            "(ringcore-run does this for you)"
+        )
+        _warned_no_secret = True
+    return b""
+
+
+def _start_server(world: WorldSpec, key: bytes, settings: Settings, tls: Any) -> StoreServer:
     try:
-        return StoreServer(world.addr, world.port)
+        return StoreServer(world.addr, world.port, key, settings.handshake_timeout, tls)
     except OSError as err:
         raise ConfigError(
             f"rank 0 could not serve the rendezvous store on {world.addr}:{world.port} ({err.strerror}); "
@@ -93,7 +122,7 @@ def _read_peers(store: StoreClient, world: WorldSpec, timeout: float) -> list[di
         except CollectiveTimeout:
             raise CollectiveTimeout(
                 f"rank {world.rank}: rank {rank} did not join the rendezvous at {world.addr}:{world.port} "
-                f"within {timeout:g} s (RINGCORE_INIT_TIMEOUT); was it started with the same size?"
+                f"within {timeout:g} s (RINGCORE_INIT_TIMEOUT); is it running, with the same world size and RINGCORE_SECRET?"
             ) from None
     sizes: dict[int, list[int]] = {}
     for rank, peer in enumerate(peers):

@@ -55,6 +55,12 @@ class Settings:
     small_bytes: int = 64 * KIB
     socket_buffer: int = 4 * MIB
     log_level: str = "WARNING"
+    secret: bytes | None = None
+    handshake_timeout: float = 10.0
+    port_range: tuple[int, int] | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -76,7 +82,20 @@ class Settings:
             small_bytes=reader.size("RINGCORE_SMALL_BYTES", cls.small_bytes, minimum=0),
             socket_buffer=reader.size("RINGCORE_SOCKET_BUFFER", cls.socket_buffer, minimum=0),
             log_level=env.get("RINGCORE_LOG_LEVEL", cls.log_level).upper(),
+            secret=env["RINGCORE_SECRET"].encode() if "RINGCORE_SECRET" in env else None,
+            handshake_timeout=reader.float("RINGCORE_HANDSHAKE_TIMEOUT", cls.handshake_timeout),
+            port_range=_port_range(env.get("RINGCORE_PORT_RANGE", "")),
+            tls_cert=env.get("RINGCORE_TLS_CERT") or None,
+            tls_key=env.get("RINGCORE_TLS_KEY") or None,
+            tls_ca=env.get("RINGCORE_TLS_CA") or None,
         )
+
+    def __repr__(self) -> str:  # never print the secret
+        fields = ", ".join(
+            f"{f.name}={'<set>' if f.name == 'secret' and self.secret is not None else getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+        )
+        return f"Settings({fields})"
 
 
 class _Reader:
@@ -112,6 +131,19 @@ class _Reader:
         if not text:
             return default
         return _bounded(name, parse_size(text, name), minimum, None)
+
+
+def _port_range(text: str) -> tuple[int, int] | None:
+    """``"20000-20100"`` -> ``(20000, 20100)``."""
+    if not text.strip():
+        return None
+    try:
+        low, high = (int(part) for part in text.split("-"))
+    except ValueError:
+        raise ConfigError(f"RINGCORE_PORT_RANGE={text!r} is not a range like 20000-20100") from None
+    if not 1 <= low <= high <= 65535:
+        raise ConfigError(f"RINGCORE_PORT_RANGE={text!r} must satisfy 1 <= low <= high <= 65535")
+    return low, high
 
 
 def _bounded(name: str, value: int, minimum: int, maximum: int | None) -> int:

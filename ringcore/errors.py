@@ -43,5 +43,9 @@ class CollectiveTimeout(RingcoreError, TimeoutError):
     """No progress for ``RINGCORE_TIMEOUT`` seconds inside a collective."""
 
 
+class AuthenticationError(RingcoreError, PermissionError):
+    """A connection failed the HMAC handshake: the ranks do not share ``RINGCORE_SECRET``."""
+
+
 class CommunicatorClosed(RingcoreError):
     """The communicator was shut down, or broken by an earlier failure."""

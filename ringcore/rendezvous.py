@@ -1,13 +1,7 @@
-"""Rendezvous: the key-value store ranks meet through, and launcher discovery.
+"""Rendezvous: launcher discovery and the choice of addresses.
 
-Store. Rank 0 serves a small TCP key-value store at the rendezvous address;
-every rank (rank 0 included) talks to it through a :class:`StoreClient`.
-Messages are msgpack arrays behind a 4-byte length, bounded in size:
-``["set", key, value]``, ``["get", key, timeout]`` (waits for the key),
-``["add", key, delta]`` (an atomic counter). Ranks publish their listening
-addresses there, agree on the world size and the job's session id, and, when
-a collective fails because ranks disagree, publish what they were asked to
-do so every rank can name the difference.
+The key-value store ranks meet through lives in :mod:`ringcore.store`
+(re-exported here).
 
 Discovery. ``discover()`` finds rank, size and the rendezvous address from,
 in order: explicit arguments, ``RINGCORE_*`` (ringcore-run), torchrun's
@@ -20,7 +14,6 @@ store already listens on ``MASTER_PORT``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -28,20 +21,17 @@ import logging
 import os
 import socket
 import struct
-import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
-import msgpack
-
 from ringcore.config import Settings
-from ringcore.errors import CollectiveTimeout, ConfigError, RingcoreError
+from ringcore.errors import ConfigError
+from ringcore.store import StoreClient, StoreServer
+
+__all__ = ["StoreClient", "StoreServer", "WorldSpec", "discover", "interface_address", "listen_address"]
 
 log = logging.getLogger("ringcore")
 
-_LENGTH = struct.Struct("<I")
-MAX_MESSAGE = 16 * 1024 * 1024
 _PORT_BASE, _PORT_SPAN = 29500, 20000
 
 
@@ -211,179 +201,3 @@ def interface_address(ifname: str) -> str:
                 f"RINGCORE_IFNAME={ifname!r} has no IPv4 address; interfaces: {names}"
             ) from None
     return socket.inet_ntoa(packed[20:24])
-
-
-# --------------------------------------------------------------------------- framing
-
-
-def send_message(sock: socket.socket, message: Any) -> None:
-    payload = msgpack.packb(message, use_bin_type=True)
-    sock.sendall(_LENGTH.pack(len(payload)) + payload)
-
-
-def recv_message(sock: socket.socket) -> Any:
-    (length,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
-    if length > MAX_MESSAGE:
-        raise RingcoreError(f"store message of {length} bytes exceeds {MAX_MESSAGE}")
-    return msgpack.unpackb(_recv_exact(sock, length), raw=False)
-
-
-def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
-    data = bytearray()
-    while len(data) < nbytes:
-        chunk = sock.recv(nbytes - len(data))
-        if not chunk:
-            raise ConnectionError("store connection closed")
-        data += chunk
-    return bytes(data)
-
-
-# --------------------------------------------------------------------------- server
-
-
-class StoreServer:
-    """The key-value store, served by rank 0 on a background thread per client."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.data: dict[str, Any] = {}
-        self.cond = threading.Condition()
-        self.listener = socket.create_server((host, port), family=_family(host), reuse_port=False)
-        self.port = self.listener.getsockname()[1]
-        self.clients: list[socket.socket] = []
-        self.closed = False
-        self.thread = threading.Thread(target=self._accept_loop, name="ringcore-store", daemon=True)
-        self.thread.start()
-
-    def _accept_loop(self) -> None:
-        while not self.closed:
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            self.clients.append(sock)
-            threading.Thread(
-                target=self._serve, args=(sock,), name="ringcore-store-client", daemon=True
-            ).start()
-
-    def _serve(self, sock: socket.socket) -> None:
-        try:
-            while True:
-                send_message(sock, self._handle(recv_message(sock)))
-        except (OSError, RingcoreError, ValueError, msgpack.UnpackException):
-            sock.close()
-
-    def _handle(self, request: Any) -> list[Any]:
-        try:
-            return self._dispatch(request)
-        except (TypeError, ValueError, OverflowError) as err:
-            return ["error", f"bad arguments: {err}"]
-
-    def _dispatch(self, request: Any) -> list[Any]:
-        if not isinstance(request, list) or not request or not isinstance(request[0], str):
-            return ["error", "malformed request"]
-        op, args = request[0], request[1:]
-        if op == "set" and len(args) == 2:
-            with self.cond:
-                self.data[str(args[0])] = args[1]
-                self.cond.notify_all()
-            return ["ok", None]
-        if op == "get" and len(args) == 2:
-            return self._get(str(args[0]), float(args[1]))
-        if op == "add" and len(args) == 2:
-            with self.cond:
-                value = int(self.data.get(str(args[0]), 0)) + int(args[1])
-                self.data[str(args[0])] = value
-                self.cond.notify_all()
-            return ["ok", value]
-        return ["error", f"unknown request {op!r}"]
-
-    def _get(self, key: str, timeout: float) -> list[Any]:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while key not in self.data:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self.closed:
-                    return ["timeout", None]
-                self.cond.wait(min(remaining, 1.0))
-            return ["ok", self.data[key]]
-
-    def close(self) -> None:
-        self.closed = True
-        with self.cond:
-            self.cond.notify_all()
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
-        self.listener.close()
-        for sock in self.clients:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-        self.thread.join(timeout=5)
-
-
-# --------------------------------------------------------------------------- client
-
-
-class StoreClient:
-    """A connection to the store; thread-safe (one request at a time)."""
-
-    def __init__(self, host: str, port: int, timeout: float) -> None:
-        self.address = (host, port)
-        self.lock = threading.Lock()
-        self.sock = _connect_with_retry(host, port, timeout)
-
-    def set(self, key: str, value: Any) -> None:
-        self._call(["set", key, value], 30.0)
-
-    def get(self, key: str, timeout: float) -> Any:
-        """The value of ``key``, waiting up to ``timeout`` s for it to be set."""
-        status, value = self._call(["get", key, timeout], timeout + 30.0)
-        if status == "timeout":
-            raise CollectiveTimeout(
-                f"timed out after {timeout:g} s waiting for {key!r} in the rendezvous store"
-            )
-        return value
-
-    def add(self, key: str, delta: int) -> int:
-        return int(self._call(["add", key, delta], 30.0)[1])
-
-    def _call(self, request: list[Any], timeout: float) -> list[Any]:
-        with self.lock:
-            self.sock.settimeout(timeout)
-            try:
-                send_message(self.sock, request)
-                reply = recv_message(self.sock)
-            except (OSError, ConnectionError) as err:
-                host, port = self.address
-                raise RingcoreError(f"lost the rendezvous store at {host}:{port} (rank 0): {err}") from None
-        if reply[0] == "error":
-            raise RingcoreError(f"rendezvous store refused {request[0]}: {reply[1]}")
-        return reply
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def _connect_with_retry(host: str, port: int, timeout: float) -> socket.socket:
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    while True:
-        try:
-            sock = socket.create_connection(
-                (host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))
-            )
-        except OSError as err:
-            if time.monotonic() + delay > deadline:
-                raise CollectiveTimeout(
-                    f"could not reach the rendezvous store at {host}:{port} within {timeout:g} s ({err}); "
-                    "is rank 0 running, and do RINGCORE_ADDR/RINGCORE_PORT point at it?"
-                ) from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
-            continue
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock

@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import os
 import queue
+import secrets
 import signal
 import socket
 import subprocess
@@ -84,6 +85,7 @@ class Options:
         grace: Seconds between SIGTERM and SIGKILL when stopping ranks.
         timeout: Wall-clock limit for the whole job in seconds; 0 means none.
         command: The program and its arguments.
+        secret: The job's RINGCORE_SECRET: the launcher's own if set, else a fresh random one.
     """
 
     size: int
@@ -93,6 +95,9 @@ class Options:
     grace: float
     timeout: float
     command: list[str]
+    secret: str = dataclasses.field(
+        default_factory=lambda: os.environ.get("RINGCORE_SECRET") or secrets.token_hex(32), repr=False
+    )
 
 
 # --------------------------------------------------------------------------- command line
@@ -184,6 +189,7 @@ def rank_env(base: Mapping[str, str], options: Options, rank: int) -> dict[str, 
     """
     env = dict(base)
     env.update(
+        RINGCORE_SECRET=options.secret,
         RINGCORE_RANK=str(rank),
         RINGCORE_SIZE=str(options.size),
         RINGCORE_LOCAL_RANK=str(rank),

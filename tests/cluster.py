@@ -78,7 +78,7 @@ class Cluster:
         self.size = size
         self.timeout = timeout
         port = free_port()
-        base = {"RINGCORE_TIMEOUT": "30", "RINGCORE_INIT_TIMEOUT": "30", **(env or {})}
+        base = {"RINGCORE_TIMEOUT": "30", "RINGCORE_INIT_TIMEOUT": "30", "RINGCORE_SECRET": f"test-{port}", **(env or {})}
         self.pipes = []
         self.procs = []
         for rank in range(size):
@@ -108,7 +108,9 @@ class Cluster:
                 replies.append(("dead", self.procs[rank].exitcode))
         return replies
 
-    def run(self, fn: Callable[..., Any], *args: Any, ranks: Any = None, timeout: float | None = None) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, ranks: Any = None, timeout: float | None = None
+    ) -> list[Any]:
         """Run ``fn(comm, *args)`` on every rank; results, or ``RankError``s, by rank."""
         ranks = list(range(self.size)) if ranks is None else list(ranks)
         for rank in ranks:

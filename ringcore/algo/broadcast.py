@@ -3,13 +3,15 @@
 Broadcast, theory of operation. Ranks form a chain root, root+1, ..., root-1.
 The root sends its buffer in segments to root+1; every other rank receives
 each segment into WORK and forwards it to its right neighbour as soon as it
-has arrived, so all links carry data at once after a short fill. The last
-rank closes the ring with a zero-byte acknowledgement to the root: every rank
-has then received a frame and checked the collective's signature, so ranks
-that disagree all fail, the root included.
+has arrived, so all links carry data at once after a short fill. Then a
+zero-byte acknowledgement travels back from the last rank to the root, each
+rank passing it on only after it has received its own. So no rank returns
+before every rank has received everything, and every frame was checked
+against the collective's signature on the way: if any rank disagrees, every
+rank fails, none returns early with a result.
 
-Cost: N-1+segments-1 segment times end to end; each rank sends and receives
-the buffer once (busbw factor 1).
+Cost: N-1+segments-1 segment times for the data, N-1 empty hops for the
+acknowledgement; each rank sends and receives the buffer once (busbw factor 1).
 
 Barrier (dissemination): in round k rank r sends an empty frame to r+2^k and
 receives one from r-2^k; after ceil(log2 N) rounds every rank has heard,
@@ -34,15 +36,19 @@ def broadcast(rank: int, size: int, root: int, count: int, itemsize: int, segmen
     left, right = neighbours(rank, size)
     segments = segment_count(count, itemsize, segment_bytes)
     position = (rank - root) % size
-    if position == 0:
-        steps = (
-            Step(right, Region(Buf.USER, 0, count), phase=0),
-            Step(recv_peer=left, recv=_EMPTY, whole=True, phase=1),
-        )
-        return Schedule(steps, segments, None)
     data = Region(Buf.WORK, 0, count)
-    forward = Step(right, data, phase=0) if position < size - 1 else Step(right, _EMPTY, whole=True, phase=1)
-    return Schedule((Step(recv_peer=left, recv=data, phase=0), forward), segments, data)
+    steps: list[Step] = []
+    if position == 0:
+        steps.append(Step(right, Region(Buf.USER, 0, count), phase=0))
+    else:
+        steps.append(Step(recv_peer=left, recv=data, phase=0))
+        if position < size - 1:
+            steps.append(Step(right, data, phase=0))
+    if position < size - 1:
+        steps.append(Step(recv_peer=right, recv=_EMPTY, whole=True, phase=1))
+    if position > 0:
+        steps.append(Step(left, _EMPTY, whole=True, phase=1))
+    return Schedule(tuple(steps), segments, None if position == 0 else data)
 
 
 @functools.lru_cache(maxsize=256)

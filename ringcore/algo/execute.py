@@ -160,6 +160,7 @@ class Executor:
 
     def run(self) -> None:
         """Post, progress and combine until every step is done."""
+        self.transport.expect(self.seq_bits >> 32, self.signature)
         last_moved = time.monotonic()
         while True:
             busy = self._post_sends() | self._post_recvs() | self._complete()

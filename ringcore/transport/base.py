@@ -75,6 +75,10 @@ class Transport(Protocol):
         """Post a receive of exactly ``view.nbytes`` bytes from ``peer`` into ``view``."""
         ...
 
+    def expect(self, seq: int, signature: int) -> None:
+        """Announce the running collective, so stray frames of it can be checked too."""
+        ...
+
     def route(self, peer: int, segment: int) -> int:
         """The channel that carries ``segment`` to or from ``peer`` (same answer on both sides)."""
         ...

@@ -62,6 +62,10 @@ class LoopbackTransport:
         self.size = network.size
         self.channels = network.channels
         self.aborted: dict[str, Any] | None = None
+        self.current = (-1, 0)
+
+    def expect(self, seq: int, signature: int) -> None:
+        self.current = (seq & 0xFFFFFFFF, signature)
 
     def isend(self, peer: int, channel: int, tag: int, signature: int, view: memoryview) -> Request:
         req = Request(peer, channel, tag, view)
@@ -103,6 +107,16 @@ class LoopbackTransport:
                 _check_head(src, sends[0], recvs[0])
             elif src in net.closed:
                 raise PeerFailure(f"rank {src} (loopback) closed the connection", src, "loopback")
+        for (src, dst, channel), sends in net.sends.items():
+            if (
+                dst == self.rank
+                and sends
+                and sends[0] is not _ABORT
+                and not net.recvs.get((src, dst, channel))
+            ):
+                send, signature = sends[0]
+                if send.tag >> 32 == self.current[0] and signature != self.current[1]:
+                    raise FrameMismatch(src, "signature", self.current[1], signature)
         for (src, dst, _channel), sends in net.sends.items():
             if src == self.rank and sends and dst in net.closed:
                 raise PeerFailure(f"rank {dst} (loopback) closed the connection", dst, "loopback")

@@ -17,24 +17,20 @@ thread is reducing a segment.
 Connections. Channel 0 is a full mesh, so any algorithm can reach any peer
 and every rank notices a dead or aborting peer during any collective, even
 one it is not exchanging data with right now; channels ``1..C-1`` go to the
-ring neighbours only and carry every C-th segment. Each rank connects to the
-lower ranks and accepts the higher ones; a connection opens with a HELLO
-frame carrying rank, channel and the job's session id, and anything else on
-the listening socket is dropped.
+ring neighbours only and carry every C-th segment (``needed_links``). How
+the mesh is set up and authenticated is :mod:`ringcore.transport.mesh`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import select
 import socket
-import time
 from collections import deque
 from typing import Any
 
-from ringcore.errors import CollectiveTimeout, PeerFailure
+from ringcore.errors import PeerFailure
 from ringcore.transport import wire
 from ringcore.transport.base import FrameMismatch, PeerAborted, Request
 
@@ -42,7 +38,6 @@ log = logging.getLogger("ringcore")
 
 _POLLIN = select.POLLIN | select.POLLPRI
 _POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
-_HELLO_TIMEOUT = 10.0
 
 
 class _Send:
@@ -153,15 +148,23 @@ class _Conn:
     def _read_control(self, nbytes: int) -> bytes:
         """Read a small control payload, waiting at most a few seconds."""
         self.sock.settimeout(2.0)
+        data = bytearray()
         try:
-            return _recv_exact(self.sock, nbytes)
+            while len(data) < nbytes and (chunk := self.sock.recv(nbytes - len(data))):
+                data += chunk
         except OSError:
-            return b""
+            pass
         finally:
             self.sock.setblocking(False)
+        return bytes(data)
 
-    def check_idle(self) -> None:
-        """Look at unread data on a connection with no posted receive."""
+    def check_idle(self, current: tuple[int, int]) -> None:
+        """Look at unread data on a connection with no posted receive.
+
+        ``current`` is the running collective's ``(seq, signature)``: a frame of
+        that collective with another signature means the ranks disagree, even
+        if this rank never expected a frame from that peer.
+        """
         try:
             head = self.sock.recv(wire.HEADER_BYTES, socket.MSG_PEEK)
         except (BlockingIOError, InterruptedError):
@@ -178,6 +181,10 @@ class _Conn:
             self.sock.recv(wire.HEADER_BYTES)
             self.departed = True
             return
+        if len(head) == wire.HEADER_BYTES:
+            _, tag, signature, _ = wire.unpack(head)
+            if tag >> 32 == current[0] and signature != current[1]:
+                raise FrameMismatch(self.peer, "signature", current[1], signature)
         self.early = True
 
     def poll_events(self) -> int:
@@ -202,6 +209,10 @@ class TcpTransport:
         self.by_fd = {conn.fd: conn for conn in conns.values()}
         self.names = {peer: conn.name for (peer, _), conn in conns.items()}
         self.closed = False
+        self.current = (-1, 0)  # (seq, signature) of the running collective
+
+    def expect(self, seq: int, signature: int) -> None:
+        self.current = (seq & 0xFFFFFFFF, signature)
 
     def conn(self, peer: int, channel: int) -> _Conn:
         conn = self.conns.get((peer, channel))
@@ -237,7 +248,7 @@ class TcpTransport:
         for fd, events in ready:
             conn = self.by_fd[fd]
             if not conn.recvs and events & (_POLLIN | _POLLRDHUP | select.POLLHUP | select.POLLERR):
-                conn.check_idle()
+                conn.check_idle(self.current)
         return self._pump() if ready else False
 
     def _pump(self) -> bool:
@@ -288,114 +299,3 @@ def needed_links(rank: int, size: int, channels: int) -> list[tuple[int, int]]:
         neighbours = sorted({(rank + 1) % size, (rank - 1) % size})
         links += [(peer, ch) for ch in range(1, channels) for peer in neighbours]
     return links
-
-
-def make_listener(host: str, socket_buffer: int, port: int = 0) -> socket.socket:
-    """A listening socket on ``host`` (never all interfaces unless ``host`` is ``0.0.0.0``)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    _size_buffers(listener, socket_buffer)
-    listener.bind((host, port))
-    listener.listen(512)
-    return listener
-
-
-def connect_mesh(
-    rank: int,
-    size: int,
-    channels: int,
-    listener: socket.socket,
-    addresses: list[tuple[str, int]],
-    session: int,
-    socket_buffer: int,
-    timeout: float,
-) -> TcpTransport:
-    """Connect to lower ranks, accept higher ranks, and return the transport.
-
-    Raises:
-        CollectiveTimeout: a peer did not connect within ``timeout`` seconds.
-    """
-    deadline = time.monotonic() + timeout
-    conns: dict[tuple[int, int], _Conn] = {}
-    links = needed_links(rank, size, channels)
-    for peer, channel in (link for link in links if link[0] < rank):
-        sock = _connect(addresses[peer], socket_buffer, deadline, peer)
-        sock.sendall(wire.pack(wire.HELLO, rank, channel, session))
-        conns[(peer, channel)] = _Conn(sock, peer, channel, _fmt(addresses[peer]))
-    expected = {link for link in links if link[0] > rank}
-    while expected:
-        peer, channel, sock = _accept_one(listener, session, size, deadline, expected)
-        expected.discard((peer, channel))
-        conns[(peer, channel)] = _Conn(sock, peer, channel, _fmt(addresses[peer]))
-    for conn in conns.values():
-        conn.sock.setblocking(False)
-    return TcpTransport(rank, size, channels, conns)
-
-
-def _connect(address: tuple[str, int], socket_buffer: int, deadline: float, peer: int) -> socket.socket:
-    delay = 0.01
-    while True:
-        sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
-        _size_buffers(sock, socket_buffer)
-        sock.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
-        try:
-            sock.connect(address)
-        except OSError as err:
-            sock.close()
-            if time.monotonic() + delay > deadline:
-                raise CollectiveTimeout(
-                    f"could not connect to rank {peer} at {_fmt(address)} ({err}); is it running?"
-                ) from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
-            continue
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
-
-
-def _accept_one(
-    listener: socket.socket, session: int, size: int, deadline: float, expected: set[tuple[int, int]]
-) -> tuple[int, int, socket.socket]:
-    """Accept until a valid HELLO from an expected peer arrives; drop anything else."""
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            missing = ", ".join(f"rank {p} channel {c}" for p, c in sorted(expected))
-            raise CollectiveTimeout(f"timed out waiting for connections from {missing}")
-        listener.settimeout(remaining)
-        try:
-            sock, addr = listener.accept()
-        except TimeoutError:
-            continue
-        try:
-            sock.settimeout(min(_HELLO_TIMEOUT, max(0.1, remaining)))
-            kind, peer, channel, got_session = wire.unpack(_recv_exact(sock, wire.HEADER_BYTES))
-            if kind != wire.HELLO or got_session != session or (peer, channel) not in expected:
-                raise wire.ProtocolError(f"unexpected hello (rank {peer}, channel {channel})")
-        except (OSError, wire.ProtocolError) as err:
-            log.warning("dropped a connection from %s: %s", _fmt(addr), err)
-            sock.close()
-            continue
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return peer, channel, sock
-
-
-def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
-    data = bytearray()
-    while len(data) < nbytes:
-        chunk = sock.recv(nbytes - len(data))
-        if not chunk:
-            raise ConnectionError(errno.ECONNRESET, "connection closed")
-        data += chunk
-    return bytes(data)
-
-
-def _size_buffers(sock: socket.socket, nbytes: int) -> None:
-    if nbytes > 0:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, nbytes)
-
-
-def _fmt(address: Any) -> str:
-    return f"{address[0]}:{address[1]}"

@@ -20,7 +20,7 @@ from ringcore.errors import PeerFailure
 from ringcore.transport import wire
 from ringcore.transport.base import FrameMismatch, PeerAborted, Request
 from ringcore.transport.loopback import LoopbackNetwork
-from ringcore.transport.tcp import connect_mesh, make_listener
+from ringcore.transport.mesh import connect_mesh, make_listener
 
 pytestmark = pytest.mark.timeout(60)
 

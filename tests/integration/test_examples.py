@@ -73,8 +73,15 @@ def test_slurm_like_environment_on_one_host() -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
-                 "SLURM_JOB_ID": job, "SLURM_STEP_ID": "0", "SLURM_JOB_NUM_NODES": "1"},  # fmt: skip
+            env={
+                **os.environ,
+                "SLURM_PROCID": str(r),
+                "SLURM_NTASKS": "2",
+                "SLURM_LOCALID": str(r),
+                "SLURM_JOB_ID": job,
+                "SLURM_STEP_ID": "0",
+                "SLURM_JOB_NUM_NODES": "1",
+            },  # fmt: skip
             cwd=ROOT,
         )
         for r in range(2)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 
+from ringcore import auth
 from ringcore.errors import CollectiveTimeout, RingcoreError
 from ringcore.rendezvous import StoreClient, StoreServer
 
@@ -90,8 +91,11 @@ def test_unknown_request_is_an_error(client: StoreClient) -> None:
         client._call(["delete", "k"], 5.0)
 
 
-def raw(server: StoreServer) -> socket.socket:
+def raw(server: StoreServer, authenticate: bool = True) -> socket.socket:
+    """A bare socket to the store, past the HMAC handshake unless told otherwise."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    if authenticate:
+        auth.client_handshake(sock, b"", auth.STORE_CONTEXT, 5.0)
     return sock
 
 
@@ -128,7 +132,7 @@ def reply_or_eof(sock: socket.socket) -> object:
     ],
 )
 def test_garbage_does_not_kill_the_server(server: StoreServer, garbage: bytes) -> None:
-    sock = raw(server)
+    sock = raw(server, authenticate=False)
     sock.sendall(garbage)
     sock.close()
     client = StoreClient("127.0.0.1", server.port, timeout=5.0)
@@ -152,12 +156,8 @@ def test_garbage_does_not_kill_the_server(server: StoreServer, garbage: bytes) -
     ],
 )
 def test_malformed_requests_get_an_answer(server: StoreServer, request_: object) -> None:
-    """Each malformed request gets an error reply or a closed connection, never silence.
-
-    Known to fail for a None/list timeout or delta (see the report): ``float(None)``
-    raises TypeError, which ``StoreServer._serve`` does not catch; the client thread dies
-    and leaves the connection open, so the sender waits until its own timeout.
-    """
+    """Each malformed request from an authenticated client gets an error reply or a closed
+    connection, never silence (a None/list timeout or delta used to kill the client thread)."""
     sock = raw(server)
     sock.settimeout(2.0)
     sock.sendall(frame(request_))

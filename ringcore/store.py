@@ -1,0 +1,302 @@
+"""The rendezvous key-value store: served by rank 0, used by every rank.
+
+Messages are msgpack arrays behind a 4-byte length, bounded in size:
+``["set", key, value]``, ``["get", key, timeout]`` (waits for the key),
+``["add", key, delta]`` (an atomic counter). Ranks publish their listening
+addresses there, agree on the world size and the job's session id, and, when
+a collective fails because ranks disagree, publish what they were asked to
+do so every rank can name the difference.
+
+Every connection first passes the HMAC handshake of :mod:`ringcore.auth`
+(inside TLS when ``RINGCORE_TLS_CERT`` is set); a client that fails it, or is
+too slow, is dropped and logged, and the store carries on. The server runs
+one thread per client; pending handshakes are capped so a flood of strangers
+cannot pile up threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+import struct
+import threading
+import time
+from typing import Any
+
+import msgpack
+
+from ringcore import auth
+from ringcore.errors import AuthenticationError, CollectiveTimeout, ConfigError, RingcoreError
+
+log = logging.getLogger("ringcore")
+
+_LENGTH = struct.Struct("<I")
+MAX_MESSAGE = 1024 * 1024
+MAX_PENDING_HANDSHAKES = 64
+
+
+def send_message(sock: socket.socket, message: Any) -> None:
+    payload = msgpack.packb(message, use_bin_type=True)
+    sock.sendall(_LENGTH.pack(len(payload)) + payload)
+
+
+def recv_message(sock: socket.socket) -> Any:
+    (length,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
+    if length > MAX_MESSAGE:
+        raise RingcoreError(f"store message of {length} bytes exceeds {MAX_MESSAGE}")
+    return msgpack.unpackb(_recv_exact(sock, length), raw=False)
+
+
+def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
+    data = bytearray()
+    while len(data) < nbytes:
+        chunk = sock.recv(nbytes - len(data))
+        if not chunk:
+            raise ConnectionError("store connection closed")
+        data += chunk
+    return bytes(data)
+
+
+# --------------------------------------------------------------------------- server
+
+
+class StoreServer:
+    """The key-value store, served by rank 0 on a background thread per client.
+
+    Args:
+        host, port: where to listen (never all interfaces unless ``host`` says so).
+        key: the job's secret for the HMAC handshake.
+        handshake_timeout: seconds a client has to complete it.
+        tls: a server-side SSL context, or ``None`` for plain TCP.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        key: bytes = b"",
+        handshake_timeout: float = 10.0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self.key = key
+        self.handshake_timeout = handshake_timeout
+        self.tls = tls
+        self.pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self.data: dict[str, Any] = {}
+        self.cond = threading.Condition()
+        self.listener = socket.create_server((host, port), family=_family(host), reuse_port=False)
+        self.port = self.listener.getsockname()[1]
+        self.clients: list[socket.socket] = []
+        self.closed = False
+        self.thread = threading.Thread(target=self._accept_loop, name="ringcore-store", daemon=True)
+        self.thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self.closed:
+            try:
+                sock, address = self.listener.accept()
+            except OSError:
+                return
+            if not self.pending.acquire(blocking=False):
+                log.warning("store: too many pending handshakes; dropped %s:%s", *address[:2])
+                sock.close()
+                continue
+            self.clients.append(sock)
+            threading.Thread(
+                target=self._serve, args=(sock, address), name="ringcore-store-client", daemon=True
+            ).start()
+
+    def _admit(self, sock: socket.socket, address: Any) -> socket.socket | None:
+        """TLS (if configured) and the HMAC handshake; ``None`` if the client failed them."""
+        try:
+            if self.tls is not None:
+                sock.settimeout(self.handshake_timeout)
+                sock = self.tls.wrap_socket(sock, server_side=True)
+            auth.server_handshake(sock, self.key, auth.STORE_CONTEXT, self.handshake_timeout)
+        except (AuthenticationError, OSError) as err:
+            log.warning("store: rejected a connection from %s:%s: %s", address[0], address[1], err)
+            sock.close()
+            return None
+        finally:
+            self.pending.release()
+        sock.settimeout(None)
+        return sock
+
+    def _serve(self, sock: socket.socket, address: Any) -> None:
+        admitted = self._admit(sock, address)
+        if admitted is None:
+            return
+        sock = admitted
+        try:
+            while True:
+                send_message(sock, self._handle(recv_message(sock)))
+        except (OSError, RingcoreError, ValueError, msgpack.UnpackException):
+            sock.close()
+
+    def _handle(self, request: Any) -> list[Any]:
+        try:
+            return self._dispatch(request)
+        except (TypeError, ValueError, OverflowError) as err:
+            return ["error", f"bad arguments: {err}"]
+
+    def _dispatch(self, request: Any) -> list[Any]:
+        if not isinstance(request, list) or not request or not isinstance(request[0], str):
+            return ["error", "malformed request"]
+        op, args = request[0], request[1:]
+        if op == "set" and len(args) == 2:
+            with self.cond:
+                self.data[str(args[0])] = args[1]
+                self.cond.notify_all()
+            return ["ok", None]
+        if op == "get" and len(args) == 2:
+            return self._get(str(args[0]), float(args[1]))
+        if op == "add" and len(args) == 2:
+            with self.cond:
+                value = int(self.data.get(str(args[0]), 0)) + int(args[1])
+                self.data[str(args[0])] = value
+                self.cond.notify_all()
+            return ["ok", value]
+        return ["error", f"unknown request {op!r}"]
+
+    def _get(self, key: str, timeout: float) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while key not in self.data:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.closed:
+                    return ["timeout", None]
+                self.cond.wait(min(remaining, 1.0))
+            return ["ok", self.data[key]]
+
+    def close(self) -> None:
+        self.closed = True
+        with self.cond:
+            self.cond.notify_all()
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        self.listener.close()
+        for sock in self.clients:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        self.thread.join(timeout=5)
+
+
+# --------------------------------------------------------------------------- client
+
+
+class StoreClient:
+    """A connection to the store; thread-safe (one request at a time)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout: float,
+        key: bytes = b"",
+        handshake_timeout: float = 10.0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self.address = (host, port)
+        self.lock = threading.Lock()
+        sock = _connect_with_retry(host, port, timeout)
+        try:
+            if tls is not None:
+                sock.settimeout(handshake_timeout)
+                sock = tls.wrap_socket(sock, server_hostname=host)
+            auth.client_handshake(sock, key, auth.STORE_CONTEXT, handshake_timeout)
+        except (AuthenticationError, ssl.SSLError, OSError) as err:
+            sock.close()
+            raise AuthenticationError(
+                f"authentication with the rendezvous store at {host}:{port} (rank 0) failed: {err}; "
+                "every rank needs the same RINGCORE_SECRET (ringcore-run sets one per job)"
+            ) from None
+        self.sock = sock
+
+    def set(self, key: str, value: Any) -> None:
+        self._call(["set", key, value], 30.0)
+
+    def get(self, key: str, timeout: float) -> Any:
+        """The value of ``key``, waiting up to ``timeout`` s for it to be set."""
+        status, value = self._call(["get", key, timeout], timeout + 30.0)
+        if status == "timeout":
+            raise CollectiveTimeout(
+                f"timed out after {timeout:g} s waiting for {key!r} in the rendezvous store"
+            )
+        return value
+
+    def add(self, key: str, delta: int) -> int:
+        return int(self._call(["add", key, delta], 30.0)[1])
+
+    def _call(self, request: list[Any], timeout: float) -> list[Any]:
+        with self.lock:
+            self.sock.settimeout(timeout)
+            try:
+                send_message(self.sock, request)
+                reply = recv_message(self.sock)
+            except (OSError, ConnectionError) as err:
+                host, port = self.address
+                raise RingcoreError(f"lost the rendezvous store at {host}:{port} (rank 0): {err}") from None
+        if reply[0] == "error":
+            raise RingcoreError(f"rendezvous store refused {request[0]}: {reply[1]}")
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _connect_with_retry(host: str, port: int, timeout: float) -> socket.socket:
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        try:
+            sock = socket.create_connection(
+                (host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))
+            )
+        except OSError as err:
+            if time.monotonic() + delay > deadline:
+                raise CollectiveTimeout(
+                    f"could not reach the rendezvous store at {host}:{port} within {timeout:g} s ({err}); "
+                    "is rank 0 running, and do RINGCORE_ADDR/RINGCORE_PORT point at it?"
+                ) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+            continue
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+
+def tls_contexts(
+    cert: str | None, key: str | None, ca: str | None
+) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """Server and client SSL contexts for the store, or ``(None, None)`` without a certificate.
+
+    The server presents ``cert``/``key``; with ``ca`` it also requires client
+    certificates signed by it. Clients verify the server against ``ca`` (host
+    names are not checked: ranks meet by address) and present ``cert``/``key``.
+    """
+    if cert is None:
+        if key is not None or ca is not None:
+            raise ConfigError("RINGCORE_TLS_KEY / RINGCORE_TLS_CA need RINGCORE_TLS_CERT too")
+        return None, None
+    try:
+        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server.load_cert_chain(cert, key)
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        client.check_hostname = False
+        client.load_cert_chain(cert, key)
+        if ca is not None:
+            server.verify_mode = ssl.CERT_REQUIRED
+            server.load_verify_locations(ca)
+            client.load_verify_locations(ca)
+        else:
+            client.verify_mode = ssl.CERT_NONE
+    except (OSError, ssl.SSLError) as err:
+        raise ConfigError(f"cannot load the TLS certificate, key or CA ({err})") from None
+    return server, client
