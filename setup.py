@@ -14,6 +14,7 @@ setup(
         "ringcore.kernels",
         "ringcore.bindings",
         "ringcore.bench",
+        "ringcore.bench.peers",
     ],
     package_dir={"ringcore.bindings": "bindings", "ringcore.bench": "bench"},
     package_data={"ringcore": ["py.typed"], "ringcore.kernels": ["cuda/*.cu"]},

@@ -9,6 +9,7 @@ Every wait is bounded, and ``close()`` kills whatever is left.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -16,7 +17,8 @@ import signal
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _CTX = multiprocessing.get_context("spawn")
 
@@ -78,7 +80,12 @@ class Cluster:
         self.size = size
         self.timeout = timeout
         port = free_port()
-        base = {"RINGCORE_TIMEOUT": "30", "RINGCORE_INIT_TIMEOUT": "30", "RINGCORE_SECRET": f"test-{port}", **(env or {})}
+        base = {
+            "RINGCORE_TIMEOUT": "30",
+            "RINGCORE_INIT_TIMEOUT": "30",
+            "RINGCORE_SECRET": f"test-{port}",
+            **(env or {}),
+        }
         self.pipes = []
         self.procs = []
         for rank in range(size):
@@ -132,10 +139,8 @@ class Cluster:
 
     def close(self) -> None:
         for pipe in self.pipes:
-            try:
+            with contextlib.suppress(OSError, BrokenPipeError):
                 pipe.send(None)
-            except (OSError, BrokenPipeError):
-                pass
         deadline = time.monotonic() + 10
         for proc in self.procs:
             proc.join(timeout=max(0.1, deadline - time.monotonic()))

@@ -81,7 +81,7 @@ def test_slurm_like_environment_on_one_host() -> None:
                 "SLURM_JOB_ID": job,
                 "SLURM_STEP_ID": "0",
                 "SLURM_JOB_NUM_NODES": "1",
-            },  # fmt: skip
+            },
             cwd=ROOT,
         )
         for r in range(2)
