@@ -90,34 +90,34 @@ def local_size() -> int:
     return communicator().local_size
 
 
-def allreduce(buf: Any, op: Any = "sum", compression: Any = None) -> Any:
+def allreduce(buf: Any, op: Any = "sum", compression: Any = None, name: str | None = None) -> Any:
     """See :meth:`Communicator.allreduce`."""
-    return communicator().allreduce(buf, op=op, compression=compression)
+    return communicator().allreduce(buf, op=op, compression=compression, name=name)
 
 
-def allreduce_async(buf: Any, op: Any = "sum", compression: Any = None) -> Handle:
+def allreduce_async(buf: Any, op: Any = "sum", compression: Any = None, name: str | None = None) -> Handle:
     """See :meth:`Communicator.allreduce_async`."""
-    return communicator().allreduce_async(buf, op=op, compression=compression)
+    return communicator().allreduce_async(buf, op=op, compression=compression, name=name)
 
 
-def broadcast(buf: Any, root: int = 0) -> Any:
+def broadcast(buf: Any, root: int = 0, name: str | None = None) -> Any:
     """See :meth:`Communicator.broadcast`."""
-    return communicator().broadcast(buf, root=root)
+    return communicator().broadcast(buf, root=root, name=name)
 
 
-def broadcast_async(buf: Any, root: int = 0) -> Handle:
+def broadcast_async(buf: Any, root: int = 0, name: str | None = None) -> Handle:
     """See :meth:`Communicator.broadcast_async`."""
-    return communicator().broadcast_async(buf, root=root)
+    return communicator().broadcast_async(buf, root=root, name=name)
 
 
-def allgather(x: Any) -> np.ndarray:
+def allgather(x: Any, name: str | None = None) -> np.ndarray:
     """See :meth:`Communicator.allgather`."""
-    return communicator().allgather(x)
+    return communicator().allgather(x, name=name)
 
 
-def reduce_scatter(x: Any, op: Any = "sum", compression: Any = None) -> np.ndarray:
+def reduce_scatter(x: Any, op: Any = "sum", compression: Any = None, name: str | None = None) -> np.ndarray:
     """See :meth:`Communicator.reduce_scatter`."""
-    return communicator().reduce_scatter(x, op=op, compression=compression)
+    return communicator().reduce_scatter(x, op=op, compression=compression, name=name)
 
 
 def barrier() -> None:

@@ -34,7 +34,9 @@ class Plan:
 
     kind: str
     run: Callable[[Communicator, int], Any]
-    seqs: int = 1
+    name: str | None = None
+    nbytes: int = 0
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _check_reduction(buffer: Buffer, op: ReduceOp, compression: Compression, what: str) -> None:
@@ -76,7 +78,13 @@ def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
             reducer.convert(buffer.array, arrays[Buf.WORK])
         return obj
 
-    return Plan("allreduce", run)
+    details = {
+        "dtype": buffer.dtype.name,
+        "count": buffer.count,
+        "op": reduce_op.value,
+        "compression": comp.value,
+    }
+    return Plan("allreduce", run, nbytes=buffer.nbytes, details=details)
 
 
 def _allreduce_schedule(comm: Communicator, count: int, itemsize: int) -> Schedule:
@@ -103,7 +111,8 @@ def plan_broadcast(obj: Any, root: int, rank: int, size: int) -> Plan:
                 np.copyto(buffer.array, arrays[Buf.WORK])
         return obj
 
-    return Plan("broadcast", run)
+    details = {"dtype": buffer.dtype.name, "count": buffer.count, "root": root}
+    return Plan("broadcast", run, nbytes=buffer.nbytes, details=details)
 
 
 def _rows(buffer: Buffer, what: str) -> int:
@@ -125,7 +134,7 @@ def plan_allgather(obj: Any) -> Plan:
         start, n = chunks[comm.rank]
         out[start : start + n] = buffer.array
         if comm.size > 1:
-            desc = Descriptor("allgather", seq + 1, buffer.dtype.name, trailing)
+            desc = Descriptor("allgather", seq, buffer.dtype.name, trailing)
             reducer = Reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE, comm.size)
             schedule = ring.allgather(
                 comm.rank, comm.size, chunks, buffer.dtype.itemsize, comm.settings.segment_bytes
@@ -133,7 +142,7 @@ def plan_allgather(obj: Any) -> Plan:
             comm.execute(desc, schedule, {Buf.WORK: out}, reducer)
         return _as_caller_dtype(out, obj).reshape((sum(counts), *trailing))
 
-    return Plan("allgather", run, seqs=2)
+    return Plan("allgather", run, nbytes=buffer.nbytes, details={"dtype": buffer.dtype.name, "rows": rows})
 
 
 def _gather_counts(
@@ -146,7 +155,7 @@ def _gather_counts(
         int64 = as_buffer(counts, writable=True)
         reducer = Reducer(int64.dtype, ReduceOp.SUM, Compression.NONE, comm.size)
         schedule = ring.allgather(comm.rank, comm.size, tuple((i, 1) for i in range(comm.size)), 8, 1 << 20)
-        comm.execute(desc, schedule, {Buf.WORK: counts}, reducer)
+        comm.execute(desc, schedule, {Buf.WORK: counts}, reducer, sub=1)
     return [int(c) for c in counts]
 
 
@@ -190,7 +199,8 @@ def plan_reduce_scatter(obj: Any, op: Any, compression: Any) -> Plan:
             reducer.convert(out, arrays[Buf.WORK][start : start + n])
         return _as_caller_dtype(out, obj).reshape((row_chunks[comm.rank][1], *buffer.shape[1:]))
 
-    return Plan("reduce_scatter", run)
+    details = {"dtype": buffer.dtype.name, "count": buffer.count, "op": reduce_op.value}
+    return Plan("reduce_scatter", run, nbytes=buffer.nbytes, details=details)
 
 
 def plan_barrier() -> Plan:

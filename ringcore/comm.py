@@ -32,7 +32,9 @@ from ringcore.config import Settings
 from ringcore.descriptor import Descriptor, explain
 from ringcore.errors import CollectiveTimeout, CommunicatorClosed, MismatchError, PeerFailure, RingcoreError
 from ringcore.kernels.numpy_ops import Reducer
-from ringcore.rendezvous import StoreClient, StoreServer
+from ringcore.stall import Progress, StallInspector
+from ringcore.store import StoreClient, StoreServer
+from ringcore.timeline import Timeline, rank_path
 from ringcore.transport.base import FrameMismatch, PeerAborted, Transport
 from ringcore.transport.wire import ProtocolError
 
@@ -96,16 +98,24 @@ class Communicator:
         self.server = server
         self._cond = threading.Condition()
         self._next_ticket = self._turn = 0
-        self._next_seq = 1
         self._broken: BaseException | None = None
         self._closed = False
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._scratch: dict[Buf, np.ndarray] = {}
+        self.progress = Progress()
+        self.timeline: Timeline | None = None
+        if settings.timeline:
+            self.timeline = Timeline(rank_path(str(settings.timeline), rank, size), rank)
+        self.stall: StallInspector | None = None
+        if store is not None:
+            self.stall = StallInspector(
+                rank, size, store.address, store.connect_again, self.progress, settings
+            )
 
     # ------------------------------------------------------------------ public API
 
-    def allreduce(self, buf: Any, op: Any = "sum", compression: Any = None) -> Any:
+    def allreduce(self, buf: Any, op: Any = "sum", compression: Any = None, name: str | None = None) -> Any:
         """Reduce ``buf`` over all ranks, in place; returns ``buf``.
 
         Args:
@@ -113,35 +123,40 @@ class Communicator:
             op: ``"sum"``, ``"avg"``, ``"min"``, ``"max"``, ``"prod"`` or a ``ReduceOp``.
             compression: ``None`` or ``"fp16"`` (float16 on the wire, accumulation in
                 ``buf``'s dtype; all ranks still end bit-identical).
+            name: a label for the timeline and the stall inspector (e.g. the tensor's name).
 
         Raises:
             TypeError, ValueError: bad arguments (before anything is sent).
             MismatchError, PeerFailure, CollectiveTimeout: see ``ringcore.errors``.
         """
-        return self._call(collectives.plan_allreduce(buf, op, compression, self.size))
+        return self._call(collectives.plan_allreduce(buf, op, compression, self.size), name)
 
-    def allreduce_async(self, buf: Any, op: Any = "sum", compression: Any = None) -> Handle:
+    def allreduce_async(
+        self, buf: Any, op: Any = "sum", compression: Any = None, name: str | None = None
+    ) -> Handle:
         """Start an allreduce; ``handle.wait()`` returns ``buf`` once it is reduced.
 
         Do not read or write ``buf`` until then.
         """
-        return self._call_async(collectives.plan_allreduce(buf, op, compression, self.size))
+        return self._call_async(collectives.plan_allreduce(buf, op, compression, self.size), name)
 
-    def broadcast(self, buf: Any, root: int = 0) -> Any:
+    def broadcast(self, buf: Any, root: int = 0, name: str | None = None) -> Any:
         """Copy ``root``'s ``buf`` into every rank's ``buf``, in place; returns ``buf``."""
-        return self._call(collectives.plan_broadcast(buf, root, self.rank, self.size))
+        return self._call(collectives.plan_broadcast(buf, root, self.rank, self.size), name)
 
-    def broadcast_async(self, buf: Any, root: int = 0) -> Handle:
+    def broadcast_async(self, buf: Any, root: int = 0, name: str | None = None) -> Handle:
         """Start a broadcast; ``handle.wait()`` returns ``buf``."""
-        return self._call_async(collectives.plan_broadcast(buf, root, self.rank, self.size))
+        return self._call_async(collectives.plan_broadcast(buf, root, self.rank, self.size), name)
 
-    def allgather(self, x: Any) -> np.ndarray:
+    def allgather(self, x: Any, name: str | None = None) -> np.ndarray:
         """Concatenate every rank's ``x`` along axis 0 (first dimensions may differ); a new array."""
-        return self._call(collectives.plan_allgather(x))
+        return self._call(collectives.plan_allgather(x), name)
 
-    def reduce_scatter(self, x: Any, op: Any = "sum", compression: Any = None) -> np.ndarray:
+    def reduce_scatter(
+        self, x: Any, op: Any = "sum", compression: Any = None, name: str | None = None
+    ) -> np.ndarray:
         """This rank's chunk (``np.array_split`` of axis 0) of ``x`` reduced over all ranks; a new array."""
-        return self._call(collectives.plan_reduce_scatter(x, op, compression))
+        return self._call(collectives.plan_reduce_scatter(x, op, compression), name)
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
@@ -156,10 +171,14 @@ class Communicator:
         if self._worker is not None:
             self._jobs.put(None)
             self._worker.join(timeout=self.settings.timeout)
+        if self.stall is not None:
+            self.stall.stop()
         if self.transport is not None:
             self.transport.close()
         if self.store is not None:
             self.store.close()
+        if self.timeline is not None:
+            self.timeline.close()
         if self.server is not None:
             self.server.close()
         self._scratch.clear()
@@ -181,16 +200,18 @@ class Communicator:
                 raise CommunicatorClosed(
                     f"{plan.kind}: the communicator was shut down; call ringcore.init() again"
                 )
-            ticket, seq = self._next_ticket, self._next_seq
+            ticket = self._next_ticket
             self._next_ticket += 1
-            self._next_seq += plan.seqs
+            seq = ticket + 1  # collectives are numbered from 1 in messages
         return ticket, seq
 
-    def _call(self, plan: collectives.Plan) -> Any:
+    def _call(self, plan: collectives.Plan, name: str | None = None) -> Any:
+        plan.name = name
         ticket, seq = self._take_ticket(plan)
         return self._run_turn(plan, ticket, seq)
 
-    def _call_async(self, plan: collectives.Plan) -> Handle:
+    def _call_async(self, plan: collectives.Plan, name: str | None = None) -> Handle:
+        plan.name = name
         ticket, seq = self._take_ticket(plan)
         handle = Handle(f"{plan.kind} #{seq}")
         self._jobs.put((plan, ticket, seq, handle))
@@ -211,14 +232,22 @@ class Communicator:
         with self._cond:
             while self._turn != ticket:
                 self._cond.wait()
+        start = Timeline.now_us()
+        self.progress.enter(seq, plan.kind, plan.name)
         try:
             if self._broken is not None:
                 raise CommunicatorClosed(
                     f"{plan.kind} #{seq}: the communicator is unusable after an earlier failure "
                     f"({self._broken}); call ringcore.shutdown() and ringcore.init() again"
                 ) from self._broken
+            if self.stall is not None and (reason := self.stall.interruption()):
+                raise CollectiveTimeout(f"{plan.kind} #{seq}: {reason}")
             return plan.run(self, seq)
         finally:
+            self.progress.leave()
+            if self.timeline is not None:
+                args = {"seq": seq, "name": plan.name, "bytes": plan.nbytes, **plan.details}
+                self.timeline.complete(f"{plan.kind} #{seq}", "collective", start, Timeline.now_us(), args)
             with self._cond:
                 self._turn += 1
                 self._cond.notify_all()
@@ -241,13 +270,30 @@ class Communicator:
         return arrays
 
     def execute(
-        self, desc: Descriptor, schedule: Schedule, arrays: dict[Buf, np.ndarray], reducer: Reducer
+        self,
+        desc: Descriptor,
+        schedule: Schedule,
+        arrays: dict[Buf, np.ndarray],
+        reducer: Reducer,
+        sub: int = 0,
     ) -> None:
-        """Run one schedule; on failure, tell the peers, break the communicator and raise."""
+        """Run one schedule; on failure, tell the peers, break the communicator and raise.
+
+        ``sub`` numbers the schedules of one collective (allgather runs two), so
+        their frames carry different tags.
+        """
         if self.transport is None:
             raise RingcoreError("a world of size > 1 needs a transport")
         executor = Executor(
-            self.transport, schedule, arrays, reducer, desc.seq, desc.signature(), self.settings.timeout
+            self.transport,
+            schedule,
+            arrays,
+            reducer,
+            desc.seq * 2 + sub,
+            desc.signature(),
+            self.settings.timeout,
+            timeline=self.timeline,
+            interrupt=self.stall.interruption if self.stall is not None else None,
         )
         try:
             executor.run()

@@ -61,6 +61,9 @@ class Settings:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    timeline: str | None = None
+    stall_warning: float = 60.0
+    stall_shutdown: float | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -88,6 +91,9 @@ class Settings:
             tls_cert=env.get("RINGCORE_TLS_CERT") or None,
             tls_key=env.get("RINGCORE_TLS_KEY") or None,
             tls_ca=env.get("RINGCORE_TLS_CA") or None,
+            timeline=env.get("RINGCORE_TIMELINE") or None,
+            stall_warning=reader.float("RINGCORE_STALL_WARNING", cls.stall_warning),
+            stall_shutdown=reader.float("RINGCORE_STALL_SHUTDOWN", 0.0) or None,
         )
 
     def __repr__(self) -> str:  # never print the secret
@@ -116,7 +122,7 @@ class _Reader:
 
     def float(self, name: str, default: float) -> float:
         text = self.env.get(name, "").strip()
-        if not text:
+        if not text or (text == "0" and default == 0.0):
             return default
         try:
             value = float(text)

@@ -152,6 +152,9 @@ class StoreServer:
             return ["ok", None]
         if op == "get" and len(args) == 2:
             return self._get(str(args[0]), float(args[1]))
+        if op == "mget" and len(args) == 1 and isinstance(args[0], list) and len(args[0]) <= 4096:
+            with self.cond:
+                return ["ok", [self.data.get(str(key)) for key in args[0]]]
         if op == "add" and len(args) == 2:
             with self.cond:
                 value = int(self.data.get(str(args[0]), 0)) + int(args[1])
@@ -201,6 +204,7 @@ class StoreClient:
     ) -> None:
         self.address = (host, port)
         self.lock = threading.Lock()
+        self._credentials = (timeout, key, handshake_timeout, tls)
         sock = _connect_with_retry(host, port, timeout)
         try:
             if tls is not None:
@@ -226,6 +230,14 @@ class StoreClient:
                 f"timed out after {timeout:g} s waiting for {key!r} in the rendezvous store"
             )
         return value
+
+    def mget(self, keys: list[str]) -> list[Any]:
+        """The values of ``keys`` now (``None`` where unset), without waiting."""
+        return list(self._call(["mget", keys], 30.0)[1])
+
+    def connect_again(self) -> StoreClient:
+        """A second connection to the same store, with the same credentials."""
+        return StoreClient(self.address[0], self.address[1], *self._credentials)
 
     def add(self, key: str, delta: int) -> int:
         return int(self._call(["add", key, delta], 30.0)[1])

@@ -39,15 +39,15 @@ def broadcast(rank: int, size: int, root: int, count: int, itemsize: int, segmen
     data = Region(Buf.WORK, 0, count)
     steps: list[Step] = []
     if position == 0:
-        steps.append(Step(right, Region(Buf.USER, 0, count), phase=0))
+        steps.append(Step(right, Region(Buf.USER, 0, count), phase=0, label="broadcast"))
     else:
-        steps.append(Step(recv_peer=left, recv=data, phase=0))
+        steps.append(Step(recv_peer=left, recv=data, phase=0, label="broadcast"))
         if position < size - 1:
-            steps.append(Step(right, data, phase=0))
+            steps.append(Step(right, data, phase=0, label="broadcast"))
     if position < size - 1:
-        steps.append(Step(recv_peer=right, recv=_EMPTY, whole=True, phase=1))
+        steps.append(Step(recv_peer=right, recv=_EMPTY, whole=True, phase=1, label="acknowledge"))
     if position > 0:
-        steps.append(Step(left, _EMPTY, whole=True, phase=1))
+        steps.append(Step(left, _EMPTY, whole=True, phase=1, label="acknowledge"))
     return Schedule(tuple(steps), segments, None if position == 0 else data)
 
 
@@ -65,6 +65,7 @@ def barrier(rank: int, size: int) -> Schedule:
                 _EMPTY,
                 whole=True,
                 phase=phase,
+                label="barrier",
             )
         )
         distance, phase = distance * 2, phase + 1

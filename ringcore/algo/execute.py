@@ -30,12 +30,14 @@ import dataclasses
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
 from ringcore.algo.steps import Buf, Region, Schedule, Step
 from ringcore.errors import CollectiveTimeout
 from ringcore.kernels.numpy_ops import Reducer
+from ringcore.timeline import Timeline
 from ringcore.transport import wire
 from ringcore.transport.base import Request, Transport
 
@@ -57,6 +59,7 @@ class Program:
     sends: dict[Route, tuple[tuple[int, int, Key, int], ...]]  # (step, segment, source, tag bits)
     recvs: dict[Route, tuple[tuple[int, int, Key, int], ...]]  # (step, segment, target, tag bits)
     combines: dict[Item, tuple[Key, Key, Key] | None]
+    items_per_step: tuple[int, ...]
 
 
 # transport -> id(schedule) -> (schedule, program); holding the schedule keeps its id unique.
@@ -99,12 +102,17 @@ def _unroll(schedule: Schedule, transport: Transport) -> Program:
                 route = (step.recv_peer, transport.route(step.recv_peer, k))
                 recvs.setdefault(route, []).append((s, k, cut(step.recv), bits))
                 combines[(s, k)] = tuple(cut(r) for r in step.reduce) if step.reduce else None  # type: ignore[assignment]
+    per_step = [0] * len(schedule.steps)
+    for items in (*sends.values(), *recvs.values()):
+        for s, *_ in items:
+            per_step[s] += 1
     return Program(
         schedule.steps,
         schedule.segments,
         {route: tuple(items) for route, items in sends.items()},
         {route: tuple(items) for route, items in recvs.items()},
         combines,
+        tuple(per_step),
     )
 
 
@@ -119,6 +127,9 @@ class Executor:
         seq: the collective's sequence number (in frame tags).
         signature: the hash of the collective's arguments (in frame headers).
         timeout: seconds without progress before giving up.
+        timeline: where to record one event per step, or ``None``.
+        interrupt: polled while waiting; a message it returns aborts the run
+            with :class:`~ringcore.errors.CollectiveTimeout` (stall shutdown).
     """
 
     def __init__(
@@ -130,8 +141,15 @@ class Executor:
         seq: int,
         signature: int,
         timeout: float,
+        timeline: Timeline | None = None,
+        interrupt: Callable[[], str | None] | None = None,
     ) -> None:
         program = compile_program(schedule, transport)
+        self.timeline = timeline
+        self.interrupt = interrupt
+        self.step_left = list(program.items_per_step)
+        self.step_times: list[list[float]] = [[0.0, 0.0] for _ in program.steps]
+        self.waited_us = 0.0
         self.transport = transport
         self.steps = program.steps
         self.segments = program.segments
@@ -151,7 +169,7 @@ class Executor:
         self.receiving: set[Key] = set()
         self.send_queues = {route: deque(items) for route, items in program.sends.items()}
         self.recv_queues = {route: deque(items) for route, items in program.recvs.items()}
-        self.posted_sends: dict[Route, deque[tuple[Request, Key]]] = {r: deque() for r in program.sends}
+        self.posted_sends: dict[Route, deque[tuple[Request, Key, int]]] = {r: deque() for r in program.sends}
         self.posted_recvs: dict[Route, deque[tuple[Request, Item, Key]]] = {r: deque() for r in program.recvs}
         self.to_combine: deque[tuple[Item, Key]] = deque()
         self.outstanding = sum(len(q) for q in self.send_queues.values()) + sum(
@@ -165,12 +183,21 @@ class Executor:
         while True:
             busy = self._post_sends() | self._post_recvs() | self._complete()
             if not self.outstanding:
+                if self.timeline is not None:
+                    self._record()
                 return
-            moved = self.transport.progress(0.0 if busy else 0.5)
+            if busy or self.timeline is None:
+                moved = self.transport.progress(0.0 if busy else 0.5)
+            else:
+                before = Timeline.now_us()
+                moved = self.transport.progress(0.5)
+                self.waited_us += Timeline.now_us() - before
             if busy or moved:
                 last_moved = time.monotonic()
             elif time.monotonic() - last_moved > self.timeout:
                 raise CollectiveTimeout(f"no progress for {self.timeout:g} s: {self.pending()}")
+            elif self.interrupt is not None and (reason := self.interrupt()):
+                raise CollectiveTimeout(reason)
 
     def _view(self, key: Key) -> memoryview:
         return memoryview(self.arrays[key[0]][key[1] : key[2]]).cast("B")
@@ -187,16 +214,18 @@ class Executor:
         posted = False
         for route, queue in self.send_queues.items():
             while queue and self._send_ready(queue[0][0], queue[0][1]):
-                _s, _k, key, bits = queue.popleft()
+                s, _k, key, bits = queue.popleft()
                 if self.pack and key[0] == Buf.USER:
                     packed = (int(Buf.WORK), key[1], key[2])
                     self.reducer.convert(self._array(packed), self._array(key))
                     key = packed
+                if self.timeline is not None:
+                    self._started(s)
                 request = self.transport.isend(
                     route[0], route[1], self.seq_bits | bits, self.signature, self._view(key)
                 )
                 self.sending[key] = self.sending.get(key, 0) + 1
-                self.posted_sends[route].append((request, key))
+                self.posted_sends[route].append((request, key, s))
                 posted = True
         return posted
 
@@ -209,6 +238,8 @@ class Executor:
                     break  # an empty region conflicts with nothing
                 queue.popleft()
                 self.receiving.add(key)
+                if self.timeline is not None:
+                    self._started(s)
                 request = self.transport.irecv(
                     route[0], route[1], self.seq_bits | bits, self.signature, self._view(key)
                 )
@@ -220,11 +251,13 @@ class Executor:
         progressed = False
         for posted in self.posted_sends.values():
             while posted and posted[0][0].done:
-                _, key = posted.popleft()
+                _, key, s = posted.popleft()
                 self.sending[key] -= 1
                 if not self.sending[key]:
                     del self.sending[key]
                 self.outstanding -= 1
+                if self.timeline is not None:
+                    self._finished_item(s)
                 progressed = True
         for posted in self.posted_recvs.values():
             while posted and posted[0][0].done:
@@ -248,7 +281,28 @@ class Executor:
             self.reducer.combine(self._array(dst), self._array(a), self._array(b), final=final)
         self.receiving.discard(recv_key)
         self._mark_done(*item)
+        if self.timeline is not None:
+            self._finished_item(item[0])
         return True
+
+    def _started(self, s: int) -> None:
+        if not self.step_times[s][0]:
+            self.step_times[s][0] = Timeline.now_us()
+
+    def _finished_item(self, s: int) -> None:
+        self.step_left[s] -= 1
+        if not self.step_left[s]:
+            self.step_times[s][1] = Timeline.now_us()
+
+    def _record(self) -> None:
+        """One timeline event per step, nested in the collective's event written by the comm."""
+        assert self.timeline is not None
+        for s, (start, end) in enumerate(self.step_times):
+            step = self.steps[s]
+            args = {"peer_send": step.send_peer, "peer_recv": step.recv_peer, "segments": self.segments}
+            if s == 0:
+                args["wait_us"] = round(self.waited_us, 1)
+            self.timeline.complete(f"{step.label or 'step'} {s}", "step", start, end, args, track=1 + s)
 
     def _mark_done(self, s: int, k: int) -> None:
         parts = range(self.segments) if self.steps[s].whole else (k,)

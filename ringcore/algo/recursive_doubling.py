@@ -35,17 +35,31 @@ def allreduce(rank: int, size: int, count: int, itemsize: int, segment_bytes: in
     last_phase = rounds + 1
     if rank >= p2:
         partner = rank - p2
-        steps = (Step(partner, work, phase=0), Step(recv_peer=partner, recv=work, phase=last_phase))
+        steps = (
+            Step(partner, work, phase=0, label="fold-in"),
+            Step(recv_peer=partner, recv=work, phase=last_phase, label="fold-out"),
+        )
         return Schedule(steps, segments, work, prefill_work=True)
     steps: list[Step] = []
     if rank < size - p2:
-        steps.append(Step(recv_peer=rank + p2, recv=stage, reduce=(work, work, stage), phase=0))
+        steps.append(
+            Step(recv_peer=rank + p2, recv=stage, reduce=(work, work, stage), phase=0, label="fold-in")
+        )
     for i in range(rounds):
         partner = rank ^ (1 << i)
         lo, hi = (work, stage) if rank < partner else (stage, work)
         steps.append(
-            Step(partner, work, partner, stage, reduce=(work, lo, hi), final=i == rounds - 1, phase=i + 1)
+            Step(
+                partner,
+                work,
+                partner,
+                stage,
+                reduce=(work, lo, hi),
+                final=i == rounds - 1,
+                phase=i + 1,
+                label="recursive-doubling",
+            )
         )
     if rank < size - p2:
-        steps.append(Step(rank + p2, work, phase=last_phase))
+        steps.append(Step(rank + p2, work, phase=last_phase, label="fold-out"))
     return Schedule(tuple(steps), segments, work, prefill_work=True)

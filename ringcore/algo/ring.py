@@ -44,7 +44,16 @@ def scatter_reduce_steps(rank: int, size: int, chunks: Chunks) -> list[Step]:
         partial = Region(Buf.WORK, *chunks[recv_chunk])
         own = Region(Buf.USER, *chunks[recv_chunk])
         steps.append(
-            Step(right, source, left, partial, reduce=(partial, partial, own), final=s == size - 2, phase=s)
+            Step(
+                right,
+                source,
+                left,
+                partial,
+                reduce=(partial, partial, own),
+                final=s == size - 2,
+                phase=s,
+                label="scatter-reduce",
+            )
         )
     return steps
 
@@ -62,6 +71,7 @@ def allgather_steps(rank: int, size: int, chunks: Chunks, first_phase: int = 0) 
                 left,
                 Region(Buf.WORK, *chunks[recv_chunk]),
                 phase=first_phase + t,
+                label="allgather",
             )
         )
     return steps

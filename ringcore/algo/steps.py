@@ -56,6 +56,7 @@ class Step:
             of the earlier steps is done (acknowledgements, barriers).
         phase: the step number written in frame tags; sender and receiver of a
             frame use the same phase even when their step lists differ.
+        label: what the step is part of, for the timeline (``"scatter-reduce"``...).
     """
 
     send_peer: int | None = None
@@ -66,6 +67,7 @@ class Step:
     final: bool = False
     whole: bool = False
     phase: int = 0
+    label: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
