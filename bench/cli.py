@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
 from ringcore.bench import data, report
 
 PROG = "ringcore-bench"

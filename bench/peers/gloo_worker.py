@@ -22,6 +22,7 @@ import sys
 import time
 
 import numpy as np
+
 from ringcore.bench.peers import loop
 
 

@@ -19,6 +19,7 @@ import time
 from typing import Protocol, TextIO
 
 import numpy as np
+
 from ringcore.bench import data, report
 
 DTYPE = np.dtype(np.float32)

@@ -13,6 +13,7 @@ import argparse
 import sys
 
 import numpy as np
+
 from ringcore.bench.peers import loop
 
 

@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import pytest
+
 from ringcore.bench import cli, data, report, summary
 
 K, M = 1 << 10, 1 << 20
