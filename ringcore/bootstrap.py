@@ -69,6 +69,9 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
             session,
             settings.socket_buffer,
             settings.init_timeout,
+            key=key,
+            handshake_timeout=settings.handshake_timeout,
+            liveness=settings.timeout,
         )
     except BaseException:
         for closable in (listener, store, server):

@@ -76,8 +76,14 @@ def connect_mesh(
     timeout: float,
     key: bytes = b"",
     handshake_timeout: float = 10.0,
+    liveness: float | None = None,
 ) -> TcpTransport:
     """Connect to lower ranks, accept higher ranks, close the listener, return the transport.
+
+    With ``liveness`` seconds (``RINGCORE_TIMEOUT``), TCP keepalive and
+    ``TCP_USER_TIMEOUT`` make the kernel fail a connection whose peer vanished
+    without a word (power loss, a cut link) within that time, so the rank
+    sees a :class:`~ringcore.errors.PeerFailure` naming the peer.
 
     Raises:
         CollectiveTimeout: a peer did not connect within ``timeout`` seconds.
@@ -109,7 +115,20 @@ def connect_mesh(
         acceptor.stop()
     for conn in conns.values():
         conn.sock.setblocking(False)
+        if liveness is not None:
+            watch_liveness(conn.sock, liveness)
     return TcpTransport(rank, size, channels, conns)
+
+
+def watch_liveness(sock: socket.socket, seconds: float) -> None:
+    """Keepalive probes after ``seconds / 3`` idle, and a cap on unacknowledged data."""
+    idle = max(1, int(seconds / 3))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", max(1, idle // 3)), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))
 
 
 def _introduce(
