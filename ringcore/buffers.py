@@ -169,7 +169,12 @@ def _from_dlpack(obj: Any, what: str) -> tuple[np.ndarray, str | None]:
         raise TypeError(f"{what} has a dtype numpy cannot view through DLPack: {err}") from None
 
 
+_BY_NUMPY: dict[np.dtype, DType] = {d.storage: d for d in DTYPES.values() if d.name != "bfloat16"}
+
+
 def _dtype_of(array: np.ndarray, explicit: str | None, what: str) -> DType:
+    if explicit is None and (known := _BY_NUMPY.get(array.dtype)) is not None:
+        return known  # the common case, without numpy's slow dtype.name
     name = explicit or array.dtype.name
     if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
         raise TypeError(f"{what} is big-endian ({array.dtype}); convert it to native byte order")

@@ -242,7 +242,8 @@ class Communicator:
                 ) from self._broken
             if self.stall is not None and (reason := self.stall.interruption()):
                 raise CollectiveTimeout(f"{plan.kind} #{seq}: {reason}")
-            return plan.run(self, seq)
+            with np.errstate(all="ignore"):  # overflow, NaN, wrap-around: results, not warnings
+                return plan.run(self, seq)
         finally:
             self.progress.leave()
             if self.timeline is not None:

@@ -11,6 +11,7 @@ rank raises, e.g. ``allreduce #3: ranks disagree on shape: ranks 0-2 passed
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Any
 
@@ -34,9 +35,7 @@ class Descriptor:
     compression: str | None = None
 
     def signature(self) -> int:
-        fields = [self.kind, self.dtype, list(self.shape), self.op, self.root, self.compression]
-        digest = hashlib.blake2b(msgpack.packb(fields), digest_size=8).digest()
-        return int.from_bytes(digest, "little")
+        return _signature(self.kind, self.dtype, self.shape, self.op, self.root, self.compression)
 
     def record(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "shape": list(self.shape)}
@@ -44,6 +43,12 @@ class Descriptor:
     @property
     def title(self) -> str:
         return f"{self.kind} #{self.seq}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _signature(*fields: Any) -> int:
+    packed = msgpack.packb([list(f) if isinstance(f, tuple) else f for f in fields])
+    return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little")
 
 
 _FIELDS = ("kind", "seq", "dtype", "shape", "op", "root", "compression")

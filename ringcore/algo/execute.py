@@ -42,6 +42,7 @@ from ringcore.transport import wire
 from ringcore.transport.base import Request, Transport
 
 Key = tuple[int, int, int]  # (buffer, first element, end element)
+_USER, _WORK, _STAGE = Buf.USER, Buf.WORK, Buf.STAGE  # plain names: enum attribute access is slow
 Route = tuple[int, int]  # (peer, channel)
 Item = tuple[int, int]  # (step, segment)
 
@@ -60,6 +61,8 @@ class Program:
     recvs: dict[Route, tuple[tuple[int, int, Key, int], ...]]  # (step, segment, target, tag bits)
     combines: dict[Item, tuple[Key, Key, Key] | None]
     items_per_step: tuple[int, ...]
+    step_done: list[list[bool]]  # initial state: steps without a receive are done
+    done_upto: list[int]  # initial state: per segment, how many leading steps are done
 
 
 # transport -> id(schedule) -> (schedule, program); holding the schedule keeps its id unique.
@@ -102,6 +105,7 @@ def _unroll(schedule: Schedule, transport: Transport) -> Program:
                 route = (step.recv_peer, transport.route(step.recv_peer, k))
                 recvs.setdefault(route, []).append((s, k, cut(step.recv), bits))
                 combines[(s, k)] = tuple(cut(r) for r in step.reduce) if step.reduce else None  # type: ignore[assignment]
+    step_done = [[step.recv is None] * schedule.segments for step in schedule.steps]
     per_step = [0] * len(schedule.steps)
     for items in (*sends.values(), *recvs.values()):
         for s, *_ in items:
@@ -113,7 +117,16 @@ def _unroll(schedule: Schedule, transport: Transport) -> Program:
         {route: tuple(items) for route, items in recvs.items()},
         combines,
         tuple(per_step),
+        step_done,
+        [_leading_done(step_done, k) for k in range(schedule.segments)],
     )
+
+
+def _leading_done(step_done: list[list[bool]], part: int) -> int:
+    upto = 0
+    while upto < len(step_done) and step_done[upto][part]:
+        upto += 1
+    return upto
 
 
 class Executor:
@@ -147,24 +160,23 @@ class Executor:
         program = compile_program(schedule, transport)
         self.timeline = timeline
         self.interrupt = interrupt
-        self.step_left = list(program.items_per_step)
-        self.step_times: list[list[float]] = [[0.0, 0.0] for _ in program.steps]
-        self.waited_us = 0.0
+        if timeline is not None:
+            self.step_left = list(program.items_per_step)
+            self.step_times: list[list[float]] = [[0.0, 0.0] for _ in program.steps]
+            self.waited_us = 0.0
         self.transport = transport
         self.steps = program.steps
         self.segments = program.segments
         self.combines = program.combines
-        self.arrays = [arrays.get(buf) for buf in Buf]
+        user, work = arrays.get(_USER), arrays.get(_WORK)
+        self.arrays = [user, work, arrays.get(_STAGE)]
         self.reducer = reducer
-        self.seq_bits = wire.make_tag(seq, 0, 0)
+        self.seq_bits = (seq & 0xFFFFFFFF) << 32
         self.signature = signature
         self.timeout = timeout
-        work = arrays.get(Buf.WORK)
-        user = arrays.get(Buf.USER)
         self.pack = work is not None and user is not None and work.dtype != user.dtype
-        self.step_done = [[step.recv is None] * self.segments for step in self.steps]
-        self.done_upto = [0] * self.segments
-        self._advance_all()
+        self.step_done = [row[:] for row in program.step_done]
+        self.done_upto = program.done_upto[:]
         self.sending: dict[Key, int] = {}
         self.receiving: set[Key] = set()
         self.send_queues = {route: deque(items) for route, items in program.sends.items()}
@@ -315,10 +327,6 @@ class Executor:
         while upto < len(self.steps) and self.step_done[upto][part]:
             upto += 1
         self.done_upto[part] = upto
-
-    def _advance_all(self) -> None:
-        for part in range(self.segments):
-            self._advance(part)
 
     def pending(self) -> str:
         """What the run is waiting for, for error messages."""

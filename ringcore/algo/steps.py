@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 
 
@@ -79,7 +80,7 @@ class Schedule:
     result: Region | None
     prefill_work: bool = False  # WORK must hold this rank's input (in the wire dtype) before the run
 
-    @property
+    @functools.cached_property
     def buffers(self) -> set[Buf]:
         used: set[Buf] = set()
         for step in self.steps:

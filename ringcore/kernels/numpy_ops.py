@@ -13,6 +13,10 @@ ring of ranks agrees bit for bit:
 The hot path (same dtype everywhere, the common case) is one ufunc call with
 ``out=``; mixed dtypes (compression, bfloat16) go through one reusable
 scratch array per :class:`Reducer`, never a fresh temporary per call.
+
+Overflow to inf, NaN inputs and integer wrap-around are results, not
+warnings: callers run these kernels under ``np.errstate(all="ignore")``
+(the communicator does, once per collective, not once per segment).
 """
 
 from __future__ import annotations
@@ -75,7 +79,6 @@ class Reducer:
         self._scratch = np.empty(0, self.acc_dtype)
         self._widen = np.empty(0, self.acc_dtype)
 
-    @np.errstate(all="ignore")  # overflow to inf, NaN in, integer wrap-around: results, not warnings
     def combine(self, dst: np.ndarray, a: np.ndarray, b: np.ndarray, final: bool = False) -> None:
         """``dst = op(a, b)`` element-wise; with ``final``, apply avg's division too."""
         scale = final and self.op is ReduceOp.AVG and self.world > 1
@@ -90,7 +93,6 @@ class Reducer:
             np.divide(acc, self.world, out=acc, casting="unsafe")
         self._store(dst, acc)
 
-    @np.errstate(all="ignore")
     def finalize(self, dst: np.ndarray) -> None:
         """Apply avg's division to already-reduced values in ``dst``."""
         if self.op is not ReduceOp.AVG or self.world == 1:
@@ -102,7 +104,6 @@ class Reducer:
         np.divide(acc, self.world, out=acc)
         self._store(dst, acc)
 
-    @np.errstate(all="ignore")
     def convert(self, dst: np.ndarray, src: np.ndarray) -> None:
         """Copy ``src`` into ``dst``, rounding when the dtypes differ (compression)."""
         if dst.dtype == src.dtype:

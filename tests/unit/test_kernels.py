@@ -97,7 +97,8 @@ def test_fp16_convert_rounds_like_numpy(source: str) -> None:
     reducer = Reducer(DTYPES[source], ReduceOp.SUM, Compression.FP16, 2)
     assert reducer.wire_dtype == np.float16
     packed = np.empty(x.size, np.float16)
-    reducer.convert(packed, x)
+    with np.errstate(all="ignore"):  # overflow to inf is the expected result; callers run kernels so
+        reducer.convert(packed, x)
     with np.errstate(all="ignore"):
         want = x.astype(np.float16)
     assert packed.tobytes() == want.tobytes()
