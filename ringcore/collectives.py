@@ -4,8 +4,10 @@ Each ``plan_*`` function runs in the caller's thread and raises
 ``TypeError``/``ValueError`` before anything is sent. It returns a
 :class:`Plan`, whose ``run`` is executed later, in order, by the
 communicator: it builds the schedule, runs it, and only then writes the
-result into the caller's buffer (the *commit*). So a failed collective leaves
-the caller's buffer untouched; a successful one leaves it fully reduced.
+result into the caller's buffer (the *commit*), or, for the in-place ring,
+lets the executor write it there with every overwritten region backed up and
+restored on failure. Either way a failed collective leaves the caller's
+buffer untouched; a successful one leaves it fully reduced.
 """
 
 from __future__ import annotations
@@ -70,12 +72,14 @@ def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
         )
         if comm.size > 1:
             reducer = Reducer(buffer.dtype, reduce_op, comp, comm.size)
-            schedule = _allreduce_schedule(comm, buffer.count, reducer.wire_dtype.itemsize)
+            in_place = reducer.wire_dtype == buffer.dtype.storage
+            schedule = _allreduce_schedule(comm, buffer.count, reducer.wire_dtype.itemsize, in_place)
             arrays = comm.scratch_arrays(schedule, buffer, reducer.wire_dtype)
             if schedule.prefill_work:
                 reducer.convert(arrays[Buf.WORK], buffer.array)
             comm.execute(desc, schedule, arrays, reducer)
-            reducer.convert(buffer.array, arrays[Buf.WORK])
+            if schedule.result is not None and schedule.result.buf != Buf.USER:
+                reducer.convert(buffer.array, arrays[Buf.WORK])
         return obj
 
     details = {
@@ -87,11 +91,12 @@ def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
     return Plan("allreduce", run, nbytes=buffer.nbytes, details=details)
 
 
-def _allreduce_schedule(comm: Communicator, count: int, itemsize: int) -> Schedule:
+def _allreduce_schedule(comm: Communicator, count: int, itemsize: int, in_place: bool) -> Schedule:
+    """Recursive doubling for small buffers (latency), the ring for the rest (bandwidth)."""
     settings = comm.settings
-    small = count * itemsize <= settings.small_bytes or count < comm.size
-    algorithm = recursive_doubling if small else ring
-    return algorithm.allreduce(comm.rank, comm.size, count, itemsize, settings.segment_bytes)
+    if count * itemsize <= settings.small_bytes or count < comm.size:
+        return recursive_doubling.allreduce(comm.rank, comm.size, count, itemsize, settings.segment_bytes)
+    return ring.allreduce(comm.rank, comm.size, count, itemsize, settings.segment_bytes, in_place)
 
 
 def plan_broadcast(obj: Any, root: int, rank: int, size: int) -> Plan:

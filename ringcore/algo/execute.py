@@ -22,6 +22,11 @@ raises :class:`~ringcore.errors.CollectiveTimeout` naming what it waits for.
 
 Compression: a send from USER when the wire dtype differs first converts the
 segment into the same region of WORK (which is in the wire dtype).
+
+In-place schedules: before the first write into a region of USER (a
+receive, or a ``commit`` combine), its values are saved into the same region
+of WORK; if the run fails, every saved region is put back before the error
+propagates, so the caller's buffer is untouched.
 """
 
 from __future__ import annotations
@@ -175,8 +180,11 @@ class Executor:
         self.signature = signature
         self.timeout = timeout
         self.pack = work is not None and user is not None and work.dtype != user.dtype
+        if self.pack and schedule.result is not None and schedule.result.buf == _USER and schedule.steps:
+            raise ValueError("an in-place schedule needs WORK in the caller's dtype (no compression)")
         self.step_done = [row[:] for row in program.step_done]
         self.done_upto = program.done_upto[:]
+        self.saved: list[Key] = []  # USER regions whose old values wait in WORK
         self.sending: dict[Key, int] = {}
         self.receiving: set[Key] = set()
         self.send_queues = {route: deque(items) for route, items in program.sends.items()}
@@ -189,7 +197,20 @@ class Executor:
         )
 
     def run(self) -> None:
-        """Post, progress and combine until every step is done."""
+        """Post, progress and combine until every step is done; on failure, restore USER."""
+        try:
+            self._run()
+        except BaseException:
+            self.restore()
+            raise
+
+    def restore(self) -> None:
+        """Put back the caller's values saved before in-place writes."""
+        for key in reversed(self.saved):
+            np.copyto(self._array(key), self._array((_WORK, key[1], key[2])))
+        self.saved.clear()
+
+    def _run(self) -> None:
         self.transport.expect(self.seq_bits >> 32, self.signature)
         last_moved = time.monotonic()
         while True:
@@ -248,6 +269,8 @@ class Executor:
                 s, k, key, bits = queue[0]
                 if key[1] < key[2] and (key in self.sending or key in self.receiving):
                     break  # an empty region conflicts with nothing
+                if key[0] == _USER and not self._save(key):
+                    break
                 queue.popleft()
                 self.receiving.add(key)
                 if self.timeline is not None:
@@ -289,13 +312,34 @@ class Executor:
             dst, a, b = regions
             if dst[1] < dst[2] and dst in self.sending:
                 return False
-            final = self.steps[item[0]].final
-            self.reducer.combine(self._array(dst), self._array(a), self._array(b), final=final)
+            step = self.steps[item[0]]
+            if step.commit:
+                self._commit(dst, a, b, step.final)
+            else:
+                self.reducer.combine(self._array(dst), self._array(a), self._array(b), final=step.final)
         self.receiving.discard(recv_key)
         self._mark_done(*item)
         if self.timeline is not None:
             self._finished_item(item[0])
         return True
+
+    def _save(self, user_key: Key) -> bool:
+        """Back up a USER region into WORK before overwriting it; False if WORK is busy."""
+        backup = (_WORK, user_key[1], user_key[2])
+        if backup in self.sending or backup in self.receiving:
+            return False
+        np.copyto(self._array(backup), self._array(user_key))
+        self.saved.append(user_key)
+        return True
+
+    def _commit(self, dst: Key, a: Key, b: Key, final: bool) -> None:
+        """Reduce into USER instead of ``dst`` (WORK), leaving USER's old values in ``dst``."""
+        user = (_USER, dst[1], dst[2])
+        result = self.reducer.scratch_like(self._array(user))
+        self.reducer.combine(result, self._array(a), self._array(b), final=final)
+        np.copyto(self._array(dst), self._array(user))
+        np.copyto(self._array(user), result)
+        self.saved.append(user)
 
     def _started(self, s: int) -> None:
         if not self.step_times[s][0]:

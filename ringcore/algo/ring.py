@@ -9,7 +9,10 @@ boundaries); rank r sends to r+1 and receives from r-1.
   previous step reduced. After N-1 steps rank r holds chunk r fully reduced
   (the last combine is ``final``: avg divides there, once).
 * Allgather, steps t = 0..N-2: send chunk (r-t), receive chunk (r-t-1) into
-  WORK, and forward it at the next step.
+  WORK, and forward it at the next step. In place (no compression), the final
+  reduce moves chunk r into the caller's buffer and the allgather receives
+  into it directly, saving a full copy after the last byte arrives; what it
+  overwrites is backed up in WORK, whose partial sums are dead by then.
 
 Each chunk is cut into ``segments`` pieces; segment k of step s+1 is sent as
 soon as segment k of step s is reduced, so receiving segment k+1 overlaps
@@ -34,8 +37,8 @@ def neighbours(rank: int, size: int) -> tuple[int, int]:
     return (rank - 1) % size, (rank + 1) % size
 
 
-def scatter_reduce_steps(rank: int, size: int, chunks: Chunks) -> list[Step]:
-    """N-1 steps after which rank r holds chunk r reduced over all ranks, in WORK."""
+def scatter_reduce_steps(rank: int, size: int, chunks: Chunks, commit: bool = False) -> list[Step]:
+    """N-1 steps after which rank r holds chunk r reduced over all ranks, in WORK (USER with ``commit``)."""
     left, right = neighbours(rank, size)
     steps = []
     for s in range(size - 1):
@@ -53,13 +56,16 @@ def scatter_reduce_steps(rank: int, size: int, chunks: Chunks) -> list[Step]:
                 final=s == size - 2,
                 phase=s,
                 label="scatter-reduce",
+                commit=commit and s == size - 2,
             )
         )
     return steps
 
 
-def allgather_steps(rank: int, size: int, chunks: Chunks, first_phase: int = 0) -> list[Step]:
-    """N-1 steps that spread every rank's chunk r (in WORK) to all ranks' WORK."""
+def allgather_steps(
+    rank: int, size: int, chunks: Chunks, first_phase: int = 0, buf: Buf = Buf.WORK
+) -> list[Step]:
+    """N-1 steps that spread every rank's chunk r (in ``buf``) to all ranks' ``buf``."""
     left, right = neighbours(rank, size)
     steps = []
     for t in range(size - 1):
@@ -67,9 +73,9 @@ def allgather_steps(rank: int, size: int, chunks: Chunks, first_phase: int = 0) 
         steps.append(
             Step(
                 right,
-                Region(Buf.WORK, *chunks[send_chunk]),
+                Region(buf, *chunks[send_chunk]),
                 left,
-                Region(Buf.WORK, *chunks[recv_chunk]),
+                Region(buf, *chunks[recv_chunk]),
                 phase=first_phase + t,
                 label="allgather",
             )
@@ -78,14 +84,23 @@ def allgather_steps(rank: int, size: int, chunks: Chunks, first_phase: int = 0) 
 
 
 @functools.lru_cache(maxsize=256)
-def allreduce(rank: int, size: int, count: int, itemsize: int, segment_bytes: int) -> Schedule:
-    """Ring allreduce of ``count`` elements; the result is all of WORK."""
+def allreduce(
+    rank: int, size: int, count: int, itemsize: int, segment_bytes: int, in_place: bool = False
+) -> Schedule:
+    """Ring allreduce of ``count`` elements; the result is all of WORK, or USER ``in_place``.
+
+    In place (only when WORK has the caller's dtype: no compression), the
+    allgather receives straight into the caller's buffer, so no final copy
+    follows the last byte; the executor backs up what it overwrites.
+    """
     if size == 1:
         return Schedule((), 1, Region(Buf.USER, 0, count))
     chunks = tuple(chunk_bounds(count, size))
-    steps = scatter_reduce_steps(rank, size, chunks) + allgather_steps(rank, size, chunks, size - 1)
+    target = Buf.USER if in_place else Buf.WORK
+    steps = scatter_reduce_steps(rank, size, chunks, commit=in_place)
+    steps += allgather_steps(rank, size, chunks, size - 1, buf=target)
     segments = segment_count(max(n for _, n in chunks), itemsize, segment_bytes)
-    return Schedule(tuple(steps), segments, Region(Buf.WORK, 0, count))
+    return Schedule(tuple(steps), segments, Region(target, 0, count))
 
 
 @functools.lru_cache(maxsize=256)

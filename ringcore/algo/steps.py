@@ -8,10 +8,14 @@ segment ``k`` of step ``s`` depends only on segment ``k`` of earlier steps and
 the executor can pipeline step ``s+1`` of segment ``k`` with step ``s`` of
 segment ``k+1``.
 
-A schedule names buffers, not arrays: ``USER`` is the caller's memory (read
-only, until the comm commits the result), ``WORK`` a scratch buffer of the
-same length in the wire dtype, ``STAGE`` a second scratch for algorithms that
-receive a whole peer vector before combining it (recursive doubling).
+A schedule names buffers, not arrays: ``USER`` is the caller's memory,
+``WORK`` a scratch buffer of the same length in the wire dtype, ``STAGE`` a
+second scratch for algorithms that receive a whole peer vector before
+combining it (recursive doubling). USER is read-only, except in an in-place
+schedule: there, before a region of USER is first overwritten (a receive, or
+a ``commit`` step), its old values are saved into the same region of WORK,
+and if the collective fails they are put back. Either way the caller's
+buffer ends fully reduced or untouched.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ class Step:
         phase: the step number written in frame tags; sender and receiver of a
             frame use the same phase even when their step lists differ.
         label: what the step is part of, for the timeline (``"scatter-reduce"``...).
+        commit: the reduce's result goes to the same region of USER, whose old
+            values move to WORK as a backup (in-place allreduce).
     """
 
     send_peer: int | None = None
@@ -69,6 +75,7 @@ class Step:
     whole: bool = False
     phase: int = 0
     label: str = ""
+    commit: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,6 +78,7 @@ class Reducer:
         self.wire_dtype = np.dtype(np.float16) if compressed else dtype.storage
         self._scratch = np.empty(0, self.acc_dtype)
         self._widen = np.empty(0, self.acc_dtype)
+        self._result: np.ndarray | None = None
 
     def combine(self, dst: np.ndarray, a: np.ndarray, b: np.ndarray, final: bool = False) -> None:
         """``dst = op(a, b)`` element-wise; with ``final``, apply avg's division too."""
@@ -110,6 +111,12 @@ class Reducer:
             np.copyto(dst, src)
             return
         self._store(dst, self._load(src, self._scratch_for(src.size)))
+
+    def scratch_like(self, x: np.ndarray) -> np.ndarray:
+        """A reusable array shaped and typed like ``x`` (not shared with ``combine``'s own)."""
+        if getattr(self, "_result", None) is None or self._result.nbytes < x.nbytes:
+            self._result = np.empty(x.nbytes, np.uint8)
+        return self._result[: x.nbytes].view(x.dtype)
 
     def _is_bf16(self, x: np.ndarray) -> bool:
         return self.dtype.name == "bfloat16" and x.dtype == np.uint16
