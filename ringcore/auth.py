@@ -25,6 +25,7 @@ import socket
 import time
 
 from ringcore.errors import AuthenticationError
+from ringcore.sockets import recv_exact
 
 MAGIC = b"RCA1"
 NONCE_BYTES = 32
@@ -82,17 +83,9 @@ def server_handshake(sock: socket.socket, key: bytes, context: bytes, timeout: f
 
 
 def _recv_exact(sock: socket.socket, nbytes: int, deadline: float) -> bytes:
-    data = bytearray()
-    while len(data) < nbytes:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise AuthenticationError("the handshake timed out")
-        sock.settimeout(remaining)
-        try:
-            chunk = sock.recv(nbytes - len(data))
-        except TimeoutError:
-            raise AuthenticationError("the handshake timed out") from None
-        if not chunk:
-            raise AuthenticationError("the peer closed the connection during the handshake")
-        data += chunk
-    return bytes(data)
+    try:
+        return recv_exact(sock, nbytes, deadline)
+    except TimeoutError:
+        raise AuthenticationError("the handshake timed out") from None
+    except ConnectionError:
+        raise AuthenticationError("the peer closed the connection during the handshake") from None

@@ -29,6 +29,7 @@ import msgpack
 
 from ringcore import auth
 from ringcore.errors import AuthenticationError, CollectiveTimeout, ConfigError, RingcoreError
+from ringcore.sockets import connect_retry, recv_exact
 
 log = logging.getLogger("ringcore")
 
@@ -43,20 +44,10 @@ def send_message(sock: socket.socket, message: Any) -> None:
 
 
 def recv_message(sock: socket.socket) -> Any:
-    (length,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
+    (length,) = _LENGTH.unpack(recv_exact(sock, _LENGTH.size))
     if length > MAX_MESSAGE:
         raise RingcoreError(f"store message of {length} bytes exceeds {MAX_MESSAGE}")
-    return msgpack.unpackb(_recv_exact(sock, length), raw=False)
-
-
-def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
-    data = bytearray()
-    while len(data) < nbytes:
-        chunk = sock.recv(nbytes - len(data))
-        if not chunk:
-            raise ConnectionError("store connection closed")
-        data += chunk
-    return bytes(data)
+    return msgpack.unpackb(recv_exact(sock, length), raw=False)
 
 
 # --------------------------------------------------------------------------- server
@@ -264,24 +255,13 @@ def _family(host: str) -> socket.AddressFamily:
 
 
 def _connect_with_retry(host: str, port: int, timeout: float) -> socket.socket:
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    while True:
-        try:
-            sock = socket.create_connection(
-                (host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))
-            )
-        except OSError as err:
-            if time.monotonic() + delay > deadline:
-                raise CollectiveTimeout(
-                    f"could not reach the rendezvous store at {host}:{port} within {timeout:g} s ({err}); "
-                    "is rank 0 running, and do RINGCORE_ADDR/RINGCORE_PORT point at it?"
-                ) from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
-            continue
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+    try:
+        return connect_retry((host, port), time.monotonic() + timeout)
+    except OSError as err:
+        raise CollectiveTimeout(
+            f"could not reach the rendezvous store at {host}:{port} within {timeout:g} s ({err}); "
+            "is rank 0 running, and do RINGCORE_ADDR/RINGCORE_PORT point at it?"
+        ) from None
 
 
 def tls_contexts(

@@ -26,6 +26,7 @@ from typing import Any
 
 from ringcore import auth
 from ringcore.errors import AuthenticationError, CollectiveTimeout, ConfigError
+from ringcore.sockets import connect_retry, fmt, recv_exact, size_buffers
 from ringcore.transport import wire
 from ringcore.transport.tcp import TcpTransport, _Conn, needed_links
 
@@ -98,15 +99,20 @@ def connect_mesh(
     conns: dict[Link, _Conn] = {}
     try:
         for peer, channel in (link for link in links if link[0] < rank):
-            sock = _connect(addresses[peer], socket_buffer, deadline, peer)
-            conns[(peer, channel)] = _Conn(sock, peer, channel, _fmt(addresses[peer]))
+            try:
+                sock = connect_retry(addresses[peer], deadline, socket_buffer)
+            except OSError as err:
+                raise CollectiveTimeout(
+                    f"could not connect to rank {peer} at {fmt(addresses[peer])} ({err}); is it running?"
+                ) from None
+            conns[(peer, channel)] = _Conn(sock, peer, channel, fmt(addresses[peer]))
             _introduce(sock, rank, channel, session, key, handshake_timeout, peer)
         while len(conns) < len(links):
             peer, channel, sock = acceptor.next(deadline)
             if (peer, channel) in conns:
                 sock.close()
                 continue
-            conns[(peer, channel)] = _Conn(sock, peer, channel, _fmt(addresses[peer]))
+            conns[(peer, channel)] = _Conn(sock, peer, channel, fmt(addresses[peer]))
     except BaseException:
         for conn in conns.values():
             conn.sock.close()
@@ -190,11 +196,11 @@ class _Acceptor:
         try:
             auth.server_handshake(sock, self.key, auth.data_context(self.session), self.timeout)
             sock.settimeout(self.timeout)
-            kind, peer, channel, session = wire.unpack(_recv_exact(sock, wire.HEADER_BYTES))
+            kind, peer, channel, session = wire.unpack(recv_exact(sock, wire.HEADER_BYTES))
             if kind != wire.HELLO or session != self.session or (peer, channel) not in self.expected:
                 raise wire.ProtocolError(f"unexpected hello (rank {peer}, channel {channel})")
         except (AuthenticationError, OSError, wire.ProtocolError) as err:
-            log.warning("dropped a data connection from %s: %s", _fmt(address), err)
+            log.warning("dropped a data connection from %s: %s", fmt(address), err)
             sock.close()
             return
         sock.settimeout(None)
@@ -203,45 +209,3 @@ class _Acceptor:
             sock.close()
             return
         self.ready.put((peer, channel, sock))
-
-
-def _connect(address: tuple[str, int], socket_buffer: int, deadline: float, peer: int) -> socket.socket:
-    delay = 0.01
-    while True:
-        sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
-        size_buffers(sock, socket_buffer)
-        sock.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
-        try:
-            sock.connect(address)
-        except OSError as err:
-            sock.close()
-            if time.monotonic() + delay > deadline:
-                raise CollectiveTimeout(
-                    f"could not connect to rank {peer} at {_fmt(address)} ({err}); is it running?"
-                ) from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
-            continue
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
-
-
-def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
-    data = bytearray()
-    while len(data) < nbytes:
-        chunk = sock.recv(nbytes - len(data))
-        if not chunk:
-            raise ConnectionError("connection closed")
-        data += chunk
-    return bytes(data)
-
-
-def size_buffers(sock: socket.socket, nbytes: int) -> None:
-    """Set SO_SNDBUF and SO_RCVBUF (before connect/listen, so TCP window scaling follows)."""
-    if nbytes > 0:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, nbytes)
-
-
-def _fmt(address: Any) -> str:
-    return f"{address[0]}:{address[1]}"
