@@ -127,7 +127,8 @@ class Communicator:
 
         Raises:
             TypeError, ValueError: bad arguments (before anything is sent).
-            MismatchError, PeerFailure, CollectiveTimeout: see ``ringcore.errors``.
+            MismatchError, PeerFailure, CollectiveTimeout: see ``ringcore.errors``;
+                ``buf`` is then untouched (never half reduced).
         """
         return self._call(collectives.plan_allreduce(buf, op, compression, self.size), name)
 

@@ -72,6 +72,7 @@ class _Conn:
         self.payload_got = 0
         self.early = False  # unread data waits for a receive not yet posted
         self.departed = False  # the peer said BYE: it shut down cleanly
+        self.hangup = False  # the peer closed after early data: the receive that reads it will fail
 
     def fail(self, what: str) -> PeerFailure:
         return PeerFailure(f"rank {self.peer} ({self.name}) {what}", self.peer, self.name)
@@ -188,14 +189,16 @@ class _Conn:
         self.early = True
 
     def poll_events(self) -> int:
+        """What to wait for: room to send, data to receive, or news on an idle connection."""
         if self.departed:
             return 0
-        events = _POLLRDHUP
-        if self.sends:
-            events |= select.POLLOUT
-        if self.recvs or not self.early:
-            events |= _POLLIN
-        return events
+        events = select.POLLOUT if self.sends else 0
+        if self.recvs:
+            return events | _POLLIN | _POLLRDHUP
+        if not self.early:
+            return events | _POLLIN | _POLLRDHUP
+        # Unread early data: its arrival is known; only a hang-up is news, and only once.
+        return events if self.hangup else events | _POLLRDHUP
 
 
 class TcpTransport:
@@ -247,7 +250,11 @@ class TcpTransport:
         ready = poller.poll(max(0, int(timeout * 1000)))
         for fd, events in ready:
             conn = self.by_fd[fd]
-            if not conn.recvs and events & (_POLLIN | _POLLRDHUP | select.POLLHUP | select.POLLERR):
+            if conn.recvs or not events & (_POLLIN | _POLLRDHUP | select.POLLHUP | select.POLLERR):
+                continue
+            if conn.early:
+                conn.hangup = True  # EOF waits behind unread data; no need to spin on it
+            else:
                 conn.check_idle(self.current)
         return self._pump() if ready else False
 
