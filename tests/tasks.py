@@ -310,3 +310,81 @@ def init_shutdown_cycles(rank: int, size: int, ports: list[int], results: Any) -
     except Exception as err:
         report["error"] = f"{type(err).__name__}: {err}"
     results.put((rank, report))
+
+
+# ---------------------------------------------------------------------------- security tests
+
+
+def store_address(comm: Any) -> tuple[str, int]:
+    """``(host, port)`` of the rendezvous store this rank is connected to."""
+    return tuple(comm.store.address)
+
+
+def listening_report(comm: Any) -> dict[str, Any]:
+    """Where this rank listens and the local/remote address of each data connection.
+
+    ``store`` is rank 0's store listener (``None`` elsewhere); ``links`` lists
+    ``(peer, channel, local address, remote address)`` for every mesh connection.
+    """
+    import os
+
+    server = comm.server
+    links = [
+        (peer, channel, conn.sock.getsockname()[:2], conn.sock.getpeername()[:2])
+        for (peer, channel), conn in comm.transport.conns.items()
+    ]
+    return {
+        "pid": os.getpid(),
+        "store": server.listener.getsockname()[:2] if server is not None else None,
+        "links": links,
+    }
+
+
+def allreduce_checked_until(
+    comm: Any, count: int, stop_file: str, max_rounds: int = 100_000
+) -> dict[str, int]:
+    """Allreduce known integer-valued buffers until rank 0 sees ``stop_file``; count wrong results.
+
+    The last element is a stop flag only rank 0 sets, so every rank stops after
+    the same round. Rank r contributes ``arange(count) * (r + 1) + round``.
+    """
+    import os
+
+    weights = comm.size * (comm.size + 1) // 2
+    base = np.arange(count, dtype=np.float64)
+    wrong = rounds = 0
+    while rounds < max_rounds:
+        buf = np.empty(count + 1, np.float64)
+        buf[:count] = base * (comm.rank + 1) + rounds
+        buf[count] = 1.0 if comm.rank == 0 and os.path.exists(stop_file) else 0.0
+        comm.allreduce(buf)
+        if not np.array_equal(buf[:count], base * weights + rounds * comm.size):
+            wrong += 1
+        rounds += 1
+        if buf[count] > 0:
+            break
+    return {"rounds": rounds, "wrong": wrong}
+
+
+def init_and_report(rank: int, size: int, *ports: int) -> dict[str, Any]:
+    """Outside a Cluster: init, allreduce, shutdown once per store port; report sums or the error.
+
+    Run in a fresh interpreter by the security tests (``python -c``), so its
+    stderr (ringcore's log) can be captured.
+    """
+    import ringcore
+    from ringcore.errors import AuthenticationError
+
+    report: dict[str, Any] = {"sums": [], "error": None}
+    try:
+        for port in ports:
+            comm = ringcore.init(rank=rank, size=size, addr="127.0.0.1", port=port)
+            buf = np.full(16, float(rank + 1))
+            comm.allreduce(buf)
+            report["sums"].append(buf.tolist())
+            ringcore.shutdown()
+    except Exception as err:
+        report.update(
+            error=_qualified(err), message=str(err), authentication=isinstance(err, AuthenticationError)
+        )
+    return report
