@@ -388,3 +388,402 @@ def init_and_report(rank: int, size: int, *ports: int) -> dict[str, Any]:
             error=_qualified(err), message=str(err), authentication=isinstance(err, AuthenticationError)
         )
     return report
+
+
+# ---------------------------------------------------------------------------- reliability: fault injection
+
+
+def _stamp(path: str) -> None:
+    """Write the wall-clock time of an injected fault to ``path`` (atomically, so a reader never sees half)."""
+    import os
+    import time
+
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as out:
+        out.write(repr(time.time()))
+    os.replace(tmp, path)
+
+
+def _inject(comm: Any, fault: str, stamp: str) -> None:
+    """Do ``fault`` to this rank now, from inside its own process.
+
+    ``kill9``: SIGKILL itself. ``sigstop``: SIGSTOP itself (the test sends
+    SIGCONT later). ``cut_all``: this rank loses its network (shut down every
+    data socket). ``cut_one``: only the link to the right ring neighbour is cut.
+    """
+    import os
+    import signal
+    import socket
+
+    _stamp(stamp)
+    if fault == "kill9":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault in ("cut_all", "cut_one"):
+        right = (comm.rank + 1) % comm.size
+        for (peer, _channel), conn in comm.transport.conns.items():
+            if fault == "cut_all" or peer == right:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+    else:
+        raise ValueError(fault)
+
+
+def _hook_phase(comm: Any, fault: str, phase: str, after: int, stamp: str) -> Any:
+    """Wrap ``Executor._combine`` (once per received segment) to inject ``fault`` at the
+    ``after``-th segment received in a step labelled ``phase``; returns an undo function."""
+    from ringcore.algo import execute
+
+    original = execute.Executor._combine
+    seen = [0]
+
+    def combine(self: Any, item: Any, recv_key: Any) -> bool:
+        if seen[0] < after and self.steps[item[0]].label == phase:
+            seen[0] += 1
+            if seen[0] == after:
+                _inject(comm, fault, stamp)
+        return original(self, item, recv_key)
+
+    execute.Executor._combine = combine
+
+    def undo() -> None:
+        execute.Executor._combine = original
+
+    return undo
+
+
+def fault_rounds(
+    comm: Any,
+    count: int,
+    victim: int,
+    fault: str,
+    phase: str,
+    stamp: str,
+    rounds: int = 3,
+    after: int = 3,
+    idle_gap: float = 0.3,
+) -> dict[str, Any]:
+    """Allreduce a random float32 buffer ``rounds`` times; the victim injects ``fault`` in round 0.
+
+    ``phase`` is a step label (``"scatter-reduce"``, ``"allgather"``): the
+    fault lands inside that phase of round 0's allreduce; or ``"idle"``: the
+    victim injects it after round 0 returned, while the other ranks wait
+    ``idle_gap`` seconds before round 1. Every rank checks each successful
+    result against numpy; on the first failure it records the error, whether
+    the buffer is untouched, and what one more allreduce raises.
+    """
+    import time
+
+    inputs = [
+        np.random.default_rng([7, r]).standard_normal(count, dtype=np.float32) for r in range(comm.size)
+    ]
+    expected = np.sum(np.stack(inputs), axis=0, dtype=np.float64)
+    original = inputs[comm.rank]
+    undo = None
+    if comm.rank == victim and phase != "idle":
+        undo = _hook_phase(comm, fault, phase, after, stamp)
+    report: dict[str, Any] = {"error": "no error", "rounds": 0, "results_ok": True}
+    buf = np.empty_like(original)
+    try:
+        for round_ in range(rounds):
+            if round_ == 1 and phase == "idle":
+                if comm.rank == victim:
+                    _inject(comm, fault, stamp)
+                else:
+                    time.sleep(idle_gap)
+            np.copyto(buf, original)
+            try:
+                comm.allreduce(buf, name=f"round{round_}")
+            except Exception as err:
+                report.update(
+                    error=_qualified(err),
+                    message=str(err),
+                    peer=getattr(err, "peer", None),
+                    failed_at=time.time(),
+                    untouched=bool(np.array_equal(buf, original)),
+                )
+                break
+            report["rounds"] = round_ + 1
+            if not np.allclose(buf, expected, rtol=1e-4, atol=1e-4):
+                report["results_ok"] = False
+        if report["error"] != "no error":
+            try:
+                comm.allreduce(np.ones(4, np.float32))
+                report["retry"] = "no error"
+            except Exception as err:
+                report["retry"], report["retry_message"] = _qualified(err), str(err)
+    finally:
+        if undo is not None:
+            undo()
+    return report
+
+
+def init_with_fault(
+    rank: int,
+    size: int,
+    port: int,
+    env: dict[str, str],
+    victim: int,
+    fault: str,
+    stamp: str,
+    results: Any,
+    delay: float = 0.0,
+) -> None:
+    """Outside a Cluster: ``ringcore.init`` with the victim failing at a point of the rendezvous.
+
+    ``fault``: ``"absent"`` (the victim never calls init), ``"after_join"``
+    (SIGKILL once it has joined the store, before it publishes its address),
+    ``"before_mesh"`` (SIGKILL after publishing its address, before connecting
+    the mesh), ``"before_mesh_late"`` (the same 1.5 s later, once higher ranks
+    have connected to its listener and wait in the handshake), ``"mid_handshake"`` (SIGKILL with its first data connection to a
+    lower rank open but not yet authenticated; the victim must not be rank 0).
+    Every other rank waits ``delay`` seconds, calls init and puts ``(rank, report)`` on ``results``.
+    """
+    import os
+    import time
+
+    os.environ.update(env)
+    import ringcore
+    from ringcore import bootstrap
+    from ringcore.transport import mesh
+
+    if rank == victim:
+        if fault == "absent":
+            _stamp(stamp)
+            return
+
+        def die(*args: Any, **kwargs: Any) -> Any:
+            _inject(None, "kill9", stamp)
+
+        if fault == "after_join":
+            bootstrap.make_listener = die
+        elif fault == "before_mesh":
+            bootstrap.connect_mesh = die
+        elif fault == "before_mesh_late":
+
+            def linger_then_die(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(1.5)  # higher ranks' connections wait, unaccepted, in our listener's backlog
+                die()
+
+            bootstrap.connect_mesh = linger_then_die
+        elif fault == "mid_handshake":
+            mesh._introduce = die  # the TCP connection to a lower rank is open, not yet authenticated
+        else:
+            raise ValueError(fault)
+    time.sleep(delay)
+    report: dict[str, Any] = {"error": "no error"}
+    started = time.time()
+    try:
+        ringcore.init(rank=rank, size=size, addr="127.0.0.1", port=port)
+    except Exception as err:
+        import traceback
+
+        report.update(error=_qualified(err), message=str(err), peer=getattr(err, "peer", None))
+        report["trace"] = traceback.format_exc()
+        report["is_ringcore_error"] = isinstance(err, ringcore.RingcoreError)
+    report["started"], report["failed_at"] = started, time.time()
+    ringcore.shutdown()
+    results.put((rank, report))
+
+
+# ---------------------------------------------------------------------------- reliability: soak
+
+SOAK_DTYPES = ("float32", "float64", "int32", "int64")
+
+
+def soak_spec(seed: int, size: int, index: int) -> dict[str, Any]:
+    """Collective number ``index`` of a soak run: the same on every rank and in the test."""
+    rng = np.random.default_rng([seed, index])
+    kind = str(
+        rng.choice(
+            [
+                "allreduce",
+                "allreduce",
+                "allreduce",
+                "async",
+                "broadcast",
+                "allgather",
+                "reduce_scatter",
+                "barrier",
+            ]
+        )
+    )
+    dtype = str(rng.choice(SOAK_DTYPES))
+    count = int(rng.integers(50_000, 200_000)) if rng.random() < 0.02 else int(rng.integers(0, 3000))
+    if rng.random() < 0.05:
+        count = int(rng.integers(0, size + 1))  # fewer elements than ranks
+    floating = dtype.startswith("float")
+    op = str(rng.choice(["sum", "avg", "min", "max", "prod"] if floating else ["sum", "min", "max", "prod"]))
+    compression = "fp16" if floating and op != "prod" and rng.random() < 0.15 else None
+    return {
+        "kind": kind,
+        "dtype": dtype,
+        "count": count,
+        "op": op,
+        "compression": compression,
+        "root": int(rng.integers(0, size)),
+        "rows": [int(n) for n in rng.integers(0, 40, size)],  # allgather: rows per rank may differ
+        "width": int(rng.integers(1, 5)),
+        "batch": int(rng.integers(2, 4)),
+    }
+
+
+def soak_input(seed: int, rank: int, index: int, spec: dict[str, Any], part: int = 0) -> np.ndarray:
+    """This rank's input to collective ``index`` (``part`` numbers the buffers of an async batch)."""
+    rng = np.random.default_rng([seed, index, rank, part])
+    dtype = np.dtype(spec["dtype"])
+    if spec["kind"] == "allgather":
+        shape: tuple[int, ...] = (spec["rows"][rank], spec["width"])
+    elif spec["kind"] == "reduce_scatter":
+        shape = (max(1, spec["count"] // spec["width"]), spec["width"])
+    else:
+        shape = (spec["count"],)
+    if spec["op"] == "prod":
+        values = rng.choice([-1, 1, 2], size=shape) if dtype.kind == "i" else rng.uniform(0.5, 1.5, shape)
+    elif dtype.kind == "i":
+        values = rng.integers(-1000, 1000, size=shape)
+    else:
+        values = rng.uniform(-1, 1, shape)
+    return values.astype(dtype)
+
+
+def soak(comm: Any, seed: int, total: int) -> list[Any]:
+    """Run ``total`` mixed collectives (see ``soak_spec``), sleeping 0-2 ms before some; return the results."""
+    import time
+
+    delays = np.random.default_rng([seed, comm.rank, 999])
+    out: list[Any] = []
+    for index in range(total):
+        spec = soak_spec(seed, comm.size, index)
+        if delays.random() < 0.25:
+            time.sleep(delays.uniform(0, 0.002))
+        kind, name = spec["kind"], f"soak.{index}"
+        x = soak_input(seed, comm.rank, index, spec)
+        if kind == "allreduce":
+            out.append(comm.allreduce(x, op=spec["op"], compression=spec["compression"], name=name))
+        elif kind == "async":
+            bufs = [x] + [soak_input(seed, comm.rank, index, spec, part) for part in range(1, spec["batch"])]
+            handles = [comm.allreduce_async(b, op=spec["op"], compression=spec["compression"]) for b in bufs]
+            out.append([h.wait(timeout=60) for h in handles])
+        elif kind == "broadcast":
+            out.append(comm.broadcast(x, root=spec["root"], name=name))
+        elif kind == "allgather":
+            out.append(comm.allgather(x, name=name))
+        elif kind == "reduce_scatter":
+            out.append(comm.reduce_scatter(x, op=spec["op"], compression=spec["compression"], name=name))
+        else:
+            comm.barrier()
+            out.append(None)
+    return out
+
+
+# ---------------------------------------------------------------------------- reliability: lifecycle
+
+
+def _resources() -> tuple[list[str], list[str]]:
+    """This process's open file descriptors (with what they point to) and live thread names."""
+    import contextlib
+    import os
+    import threading
+
+    fds = []
+    for fd in sorted(os.listdir("/proc/self/fd"), key=int):
+        with contextlib.suppress(OSError):  # OSError: the descriptor listdir itself used
+            fds.append(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+    return fds, sorted(t.name for t in threading.enumerate())
+
+
+def _settle(baseline: tuple[list[str], list[str]], seconds: float = 5.0) -> tuple[list[str], list[str]]:
+    """Resources now, waiting up to ``seconds`` for threads that are on their way out."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        now = _resources()
+        if (len(now[0]), len(now[1])) == (len(baseline[0]), len(baseline[1])) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
+
+
+def lifecycle_cycles(rank: int, size: int, ports: list[int], env: dict[str, str], results: Any) -> None:
+    """Outside a Cluster: init / allreduce / shutdown once per port, recording fds and threads.
+
+    Puts ``(rank, report)`` on ``results``: the resources before the first init
+    and after each shutdown, and each cycle's results.
+    """
+    import os
+
+    os.environ.update(env)
+    import ringcore
+
+    report: dict[str, Any] = {"before": _resources(), "after": [], "sums": []}
+    try:
+        for cycle, port in enumerate(ports):
+            ringcore.init(rank=rank, size=size, addr="127.0.0.1", port=port)
+            small = np.full(100, float(rank + cycle), np.float64)
+            big = np.full(200_000, float(rank + 1), np.float32)  # ring path
+            ringcore.allreduce(small, name="small")
+            ringcore.allreduce(big, op="max", name="big")
+            report["sums"].append((float(small[0]), float(big.max())))
+            ringcore.shutdown()
+            report["after"].append(_resources())  # at once: shutdown() must have stopped everything
+    except Exception as err:
+        report["error"] = f"{type(err).__name__}: {err}"
+    results.put((rank, report))
+
+
+def reinit_after_failure(rank: int, ports: list[int], env: dict[str, str], stamp: str, results: Any) -> None:
+    """Outside a Cluster: 3 ranks; rank 2 is SIGKILLed mid-allreduce; ranks 0 and 1 see the
+    failure, shut down, and init again as a world of 2 on a new port.
+
+    Ranks 0 and 1 put ``(rank, report)`` on ``results``: the error, what a
+    collective on the broken communicator raised, the resources before the
+    first init, after the failed communicator's shutdown and after the second
+    job's shutdown, and the second job's allreduce result.
+    """
+    import os
+
+    os.environ.update(env)
+    import ringcore
+
+    report: dict[str, Any] = {"before": _resources()}
+    try:
+        comm = ringcore.init(rank=rank, size=3, addr="127.0.0.1", port=ports[0])
+        ringcore.allreduce(np.ones(10, np.float32))
+        if rank == 2:
+            _hook_phase(comm, "kill9", "scatter-reduce", 3, stamp)
+        try:
+            ringcore.allreduce(np.ones(1_000_000, np.float32))
+            report["error"] = "no error"
+        except ringcore.PeerFailure as err:
+            report["error"], report["peer"] = "PeerFailure", err.peer
+        try:
+            ringcore.barrier()
+        except Exception as err:
+            report["broken"] = type(err).__name__
+        ringcore.shutdown()
+        report["after_failure"] = _settle(report["before"])
+        ringcore.init(rank=rank, size=2, addr="127.0.0.1", port=ports[1])
+        buf = np.full(300_000, float(rank + 1), np.float32)
+        ringcore.allreduce(buf)
+        report["second"] = (float(buf.min()), float(buf.max()), ringcore.size())
+        ringcore.shutdown()
+        report["after_second"] = _settle(report["before"])
+    except Exception as err:
+        report["crash"] = f"{type(err).__name__}: {err}"
+    results.put((rank, report))
+
+
+def timeline_job(comm: Any) -> int:
+    """Collectives of every kind and algorithm; returns how many were issued."""
+    comm.allreduce(np.ones(300_000, np.float32), name="big")
+    comm.allreduce(np.ones(10, np.float64), op="max", name="small")
+    comm.allreduce(np.ones(2, np.float32))  # fewer elements than ranks
+    comm.broadcast(np.arange(50_000, dtype=np.int32), root=1, name="bcast")
+    comm.allgather(np.ones((comm.rank + 1, 3), np.float32), name="gather")
+    comm.reduce_scatter(np.ones((30, 2), np.float32), name="rs")
+    comm.barrier()
+    handles = [comm.allreduce_async(np.ones(n, np.float32), name=f"async{n}") for n in (10, 200_000)]
+    for handle in handles:
+        handle.wait(30)
+    return 9
