@@ -25,6 +25,7 @@ from ringcore.api import (
 )
 from ringcore.comm import Communicator, Handle
 from ringcore.errors import (
+    AuthenticationError,
     CollectiveTimeout,
     CommunicatorClosed,
     ConfigError,
@@ -37,6 +38,7 @@ from ringcore.ops import Compression, ReduceOp
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthenticationError",
     "CollectiveTimeout",
     "Communicator",
     "CommunicatorClosed",

@@ -47,8 +47,8 @@ def client_handshake(sock: socket.socket, key: bytes, context: bytes, timeout: f
     """Prove to the server that we share ``key`` and check that it does too.
 
     Raises:
-        AuthenticationError: the server does not know ``key`` or is not ringcore.
-        OSError: the connection failed.
+        AuthenticationError: the server does not know ``key``, is not ringcore, or is too slow.
+        ConnectionError: the server closed the connection (it died, or rejected us).
     """
     deadline = time.monotonic() + timeout
     client_nonce = os.urandom(NONCE_BYTES)
@@ -70,7 +70,13 @@ def server_handshake(sock: socket.socket, key: bytes, context: bytes, timeout: f
         AuthenticationError: bad magic, wrong MAC, or too slow.
         OSError: the connection failed.
     """
-    deadline = time.monotonic() + timeout
+    try:
+        _serve_handshake(sock, key, context, time.monotonic() + timeout)
+    except ConnectionError:
+        raise AuthenticationError("the client closed the connection during the handshake") from None
+
+
+def _serve_handshake(sock: socket.socket, key: bytes, context: bytes, deadline: float) -> None:
     hello = _recv_exact(sock, len(MAGIC) + NONCE_BYTES, deadline)
     if hello[: len(MAGIC)] != MAGIC:
         raise AuthenticationError("the client did not start ringcore's handshake")
@@ -88,4 +94,4 @@ def _recv_exact(sock: socket.socket, nbytes: int, deadline: float) -> bytes:
     except TimeoutError:
         raise AuthenticationError("the handshake timed out") from None
     except ConnectionError:
-        raise AuthenticationError("the peer closed the connection during the handshake") from None
+        raise ConnectionError("the peer closed the connection during the handshake") from None

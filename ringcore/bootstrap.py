@@ -73,10 +73,12 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
             handshake_timeout=settings.handshake_timeout,
             liveness=settings.timeout,
         )
-    except BaseException:
-        for closable in (listener, store, server):
+    except BaseException as err:
+        for closable in (listener, store):
             if closable is not None:
                 closable.close()
+        if server is not None:
+            server.close(reason=f"rank 0 gave up on init: {err}")
         raise
     listener.close()
     local_rank, local_size = _locality(world, peers)

@@ -93,7 +93,7 @@ class StallInspector:
         try:
             store = self.connect()
         except RingcoreError as err:
-            log.warning("stall inspector disabled: %s", err)
+            log.warning("stall inspector disabled: %s", str(err))
             return
         published = -1
         try:

@@ -79,8 +79,11 @@ class StoreServer:
         self.cond = threading.Condition()
         self.listener = socket.create_server((host, port), family=_family(host), reuse_port=False)
         self.port = self.listener.getsockname()[1]
-        self.clients: list[socket.socket] = []
+        self.clients: set[socket.socket] = set()  # live connections, so close() can end them
+        self.clients_lock = threading.Lock()
         self.closed = False
+        self.failure: str | None = None
+        self.threads: list[threading.Thread] = []
         self.thread = threading.Thread(target=self._accept_loop, name="ringcore-store", daemon=True)
         self.thread.start()
 
@@ -94,20 +97,35 @@ class StoreServer:
                 log.warning("store: too many pending handshakes; dropped %s:%s", *address[:2])
                 sock.close()
                 continue
-            self.clients.append(sock)
-            threading.Thread(
+            self._track(sock, add=True)
+            thread = threading.Thread(
                 target=self._serve, args=(sock, address), name="ringcore-store-client", daemon=True
-            ).start()
+            )
+            self.threads = [t for t in self.threads if t.is_alive()] + [thread]
+            thread.start()
 
-    def _admit(self, sock: socket.socket, address: Any) -> socket.socket | None:
-        """TLS (if configured) and the HMAC handshake; ``None`` if the client failed them."""
+    def _track(self, sock: socket.socket, add: bool) -> None:
+        with self.clients_lock:
+            if add:
+                self.clients.add(sock)
+            else:
+                self.clients.discard(sock)
+
+    def _admit(self, raw: socket.socket, address: Any) -> socket.socket | None:
+        """TLS (if configured) and the HMAC handshake, within one deadline; ``None`` on failure."""
+        deadline = time.monotonic() + self.handshake_timeout
+        sock = raw
         try:
             if self.tls is not None:
                 sock.settimeout(self.handshake_timeout)
                 sock = self.tls.wrap_socket(sock, server_side=True)
-            auth.server_handshake(sock, self.key, auth.STORE_CONTEXT, self.handshake_timeout)
+                self._track(raw, add=False)
+                self._track(sock, add=True)
+            auth.server_handshake(sock, self.key, auth.STORE_CONTEXT, max(0.0, deadline - time.monotonic()))
         except (AuthenticationError, OSError) as err:
-            log.warning("store: rejected a connection from %s:%s: %s", address[0], address[1], err)
+            log.warning("store: rejected a connection from %s:%s: %s", address[0], address[1], str(err))
+            self._track(sock, add=False)
+            self._track(raw, add=False)
             sock.close()
             return None
         finally:
@@ -115,15 +133,15 @@ class StoreServer:
         sock.settimeout(None)
         return sock
 
-    def _serve(self, sock: socket.socket, address: Any) -> None:
-        admitted = self._admit(sock, address)
-        if admitted is None:
+    def _serve(self, raw: socket.socket, address: Any) -> None:
+        sock = self._admit(raw, address)
+        if sock is None:
             return
-        sock = admitted
         try:
             while True:
                 send_message(sock, self._handle(recv_message(sock)))
         except (OSError, RingcoreError, ValueError, msgpack.UnpackException):
+            self._track(sock, add=False)
             sock.close()
 
     def _handle(self, request: Any) -> list[Any]:
@@ -158,24 +176,37 @@ class StoreServer:
         deadline = time.monotonic() + timeout
         with self.cond:
             while key not in self.data:
+                if self.failure is not None:
+                    return ["error", self.failure]
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self.closed:
                     return ["timeout", None]
                 self.cond.wait(min(remaining, 1.0))
             return ["ok", self.data[key]]
 
-    def close(self) -> None:
+    def close(self, reason: str | None = None) -> None:
+        """Stop serving; clients waiting for a key get ``reason`` (why rank 0 gave up) if given."""
+        if reason is not None:
+            with self.cond:
+                self.failure = reason
+                self.cond.notify_all()
+            time.sleep(0.2)  # let waiting clients read the reason before their connections go
         self.closed = True
         with self.cond:
             self.cond.notify_all()
         with contextlib.suppress(OSError):
             self.listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
         self.listener.close()
-        for sock in self.clients:
+        with self.clients_lock:
+            clients, self.clients = list(self.clients), set()
+        for sock in clients:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
         self.thread.join(timeout=5)
+        deadline = time.monotonic() + 5
+        for thread in self.threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 # --------------------------------------------------------------------------- client
@@ -205,8 +236,9 @@ class StoreClient:
         except (AuthenticationError, ssl.SSLError, OSError) as err:
             sock.close()
             raise AuthenticationError(
-                f"authentication with the rendezvous store at {host}:{port} (rank 0) failed: {err}; "
-                "every rank needs the same RINGCORE_SECRET (ringcore-run sets one per job)"
+                f"authentication failed with the rendezvous store at {host}:{port} (rank 0): {err}; "
+                "every rank needs the same RINGCORE_SECRET (ringcore-run sets one per job) and the "
+                "same RINGCORE_TLS_* settings"
             ) from None
         self.sock = sock
 
@@ -243,7 +275,7 @@ class StoreClient:
                 host, port = self.address
                 raise RingcoreError(f"lost the rendezvous store at {host}:{port} (rank 0): {err}") from None
         if reply[0] == "error":
-            raise RingcoreError(f"rendezvous store refused {request[0]}: {reply[1]}")
+            raise RingcoreError(f"the rendezvous store refused {request[0]} {request[1]!r}: {reply[1]}")
         return reply
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from ringcore import auth
-from ringcore.errors import AuthenticationError, CollectiveTimeout, ConfigError
+from ringcore.errors import AuthenticationError, CollectiveTimeout, ConfigError, PeerFailure
 from ringcore.sockets import connect_retry, fmt, recv_exact, size_buffers
 from ringcore.transport import wire
 from ringcore.transport.tcp import TcpTransport, _Conn, needed_links
@@ -106,9 +106,11 @@ def connect_mesh(
                     f"could not connect to rank {peer} at {fmt(addresses[peer])} ({err}); is it running?"
                 ) from None
             conns[(peer, channel)] = _Conn(sock, peer, channel, fmt(addresses[peer]))
-            _introduce(sock, rank, channel, session, key, handshake_timeout, peer)
+            _introduce(sock, rank, channel, session, key, handshake_timeout, peer, fmt(addresses[peer]))
         while len(conns) < len(links):
-            peer, channel, sock = acceptor.next(deadline)
+            missing = sorted({p for p, c in links if (p, c) not in conns and p > rank})
+            names = [f"rank {p} ({fmt(addresses[p])})" for p in missing]
+            peer, channel, sock = acceptor.next(deadline, names)
             if (peer, channel) in conns:
                 sock.close()
                 continue
@@ -138,12 +140,25 @@ def watch_liveness(sock: socket.socket, seconds: float) -> None:
 
 
 def _introduce(
-    sock: socket.socket, rank: int, channel: int, session: int, key: bytes, timeout: float, peer: int
+    sock: socket.socket,
+    rank: int,
+    channel: int,
+    session: int,
+    key: bytes,
+    timeout: float,
+    peer: int,
+    conn_name: str,
 ) -> None:
+    """Authenticate an outgoing connection, then say who we are (HELLO)."""
     try:
         auth.client_handshake(sock, key, auth.data_context(session), timeout)
     except AuthenticationError as err:
         raise AuthenticationError(f"rank {peer} failed the data-plane handshake: {err}") from None
+    except OSError as err:
+        name = conn_name
+        raise PeerFailure(
+            f"rank {peer} ({name}) went away during the data-plane handshake: {err}", peer, name
+        ) from None
     sock.settimeout(None)
     sock.sendall(wire.pack(wire.HELLO, rank, channel, session))
 
@@ -167,13 +182,13 @@ class _Acceptor:
         if self.expected:
             self.thread.start()
 
-    def next(self, deadline: float) -> tuple[int, int, socket.socket]:
+    def next(self, deadline: float, missing: list[str]) -> tuple[int, int, socket.socket]:
         try:
             return self.ready.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             raise CollectiveTimeout(
-                "timed out waiting for higher ranks to connect; are they running with the same "
-                "RINGCORE_SECRET, and can they reach this host?"
+                f"{', '.join(missing)} did not connect in time (RINGCORE_INIT_TIMEOUT); are they running "
+                "with the same RINGCORE_SECRET, and can they reach this host?"
             ) from None
 
     def stop(self) -> None:
@@ -200,7 +215,7 @@ class _Acceptor:
             if kind != wire.HELLO or session != self.session or (peer, channel) not in self.expected:
                 raise wire.ProtocolError(f"unexpected hello (rank {peer}, channel {channel})")
         except (AuthenticationError, OSError, wire.ProtocolError) as err:
-            log.warning("dropped a data connection from %s: %s", fmt(address), err)
+            log.warning("dropped a data connection from %s: %s", fmt(address), str(err))
             sock.close()
             return
         sock.settimeout(None)
