@@ -201,6 +201,7 @@ class Executor:
         try:
             self._run()
         except BaseException:
+            self.transport.cancel()  # nothing may land in USER after it is restored
             self.restore()
             raise
 

@@ -87,6 +87,10 @@ class Transport(Protocol):
         """Move bytes; block up to ``timeout`` s when nothing can move. True if anything moved."""
         ...
 
+    def cancel(self) -> None:
+        """Forget every posted send and receive: no byte lands in their views afterwards."""
+        ...
+
     def abort(self, reason: dict[str, Any]) -> None:
         """Best effort: tell every peer this rank is abandoning the current collective."""
         ...

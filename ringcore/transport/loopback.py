@@ -121,6 +121,16 @@ class LoopbackTransport:
             if src == self.rank and sends and dst in net.closed:
                 raise PeerFailure(f"rank {dst} (loopback) closed the connection", dst, "loopback")
 
+    def cancel(self) -> None:
+        """Forget this rank's posted receives; its sends stay queued, as bytes a TCP kernel already has."""
+        net = self.network
+        with net.cond:
+            for (_src, dst, _channel), recvs in net.recvs.items():
+                if dst == self.rank:
+                    recvs.clear()
+            net.version += 1
+            net.cond.notify_all()
+
     def abort(self, reason: dict[str, Any]) -> None:
         net = self.network
         with net.cond:

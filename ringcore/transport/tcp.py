@@ -267,6 +267,16 @@ class TcpTransport:
                 moved = True
         return moved
 
+    def cancel(self) -> None:
+        """Drop queued frames; the streams are then mid-frame, so only abort/close may follow."""
+        for conn in self.conns.values():
+            conn.recvs.clear()
+            partial = conn.sends[0] if conn.sends and conn.sends[0].offset else None
+            conn.sends.clear()
+            if partial is not None:
+                conn.sends.append(partial)  # abort() must still see that a frame is half sent
+            conn.header_got = conn.payload_got = 0
+
     def abort(self, reason: dict[str, Any]) -> None:
         frame = wire.abort_frame(reason)
         for conn in self.conns.values():
