@@ -6,7 +6,10 @@ so; a duplicate rank is an error), opens its data listener on the chosen
 interface, publishes ``host:port``, reads everyone else's, checks that all
 agree on the world size, then connects the mesh
 (``transport.mesh.connect_mesh``). The listener is closed once the mesh is
-up, so no data port stays open.
+up, so no data port stays open. A last barrier over the new mesh makes
+``init()`` succeed on every rank or on none: a rank that died after its
+neighbours connected to it is reported (``PeerFailure``) at init, not at the
+first collective.
 
 Without ``RINGCORE_SECRET`` (set per job by ringcore-run) ringcore warns once
 and runs the same protocol with an empty key, so a rank configured with a
@@ -82,7 +85,13 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
         raise
     listener.close()
     local_rank, local_size = _locality(world, peers)
-    return Communicator(world.rank, world.size, local_rank, local_size, settings, transport, store, server)
+    comm = Communicator(world.rank, world.size, local_rank, local_size, settings, transport, store, server)
+    try:
+        comm.confirm_world()
+    except BaseException:
+        comm.shutdown()
+        raise
+    return comm
 
 
 def _secret(settings: Settings) -> bytes:

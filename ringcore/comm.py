@@ -254,6 +254,12 @@ class Communicator:
                 self._turn += 1
                 self._cond.notify_all()
 
+    def confirm_world(self) -> None:
+        """A barrier outside the numbered collectives (#0): every rank is connected and alive."""
+        if self.size > 1:
+            with np.errstate(all="ignore"):
+                collectives.plan_barrier().run(self, 0)
+
     # ------------------------------------------------------------------ execution
 
     def scratch_arrays(
