@@ -300,7 +300,7 @@ class Communicator:
             desc.seq * 2 + sub,
             desc.signature(),
             self.settings.timeout,
-            timeline=self.timeline,
+            timeline=self.timeline if desc.seq else None,  # #0 is init's barrier, not the user's
             interrupt=self.stall.interruption if self.stall is not None else None,
         )
         try:
