@@ -22,8 +22,10 @@ start = time.perf_counter()
 ringcore.allreduce(g)  # in place, returns g; every rank now holds sum over ranks
 elapsed = time.perf_counter() - start
 assert np.all(g == expected_sum), f"allreduce gave {g[:4]}, expected {expected_sum}"
-print(f"rank {rank}/{size}: allreduce of {g.size:,} float32 -> every element {g[0]:g} "
-      f"(sum of ranks 0..{size - 1}) in {elapsed * 1e3:.1f} ms")
+print(
+    f"rank {rank}/{size}: allreduce of {g.size:,} float32 -> every element {g[0]:g} "
+    f"(sum of ranks 0..{size - 1}) in {elapsed * 1e3:.1f} ms"
+)
 
 ringcore.allreduce(g, op="avg")  # ops: sum, avg, min, max, prod
 assert np.allclose(g, expected_sum)
