@@ -88,7 +88,7 @@ def discover(
             )
         addr = "127.0.0.1"
     if size > 1 and port is None:
-        port = _derived_port(found.get("job_id"), source)
+        port = _derived_port(found.get("job_id"), source, settings.port_range)
     return WorldSpec(
         rank,
         size,
@@ -168,11 +168,15 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
         raise ConfigError(f"{name}={text!r} is not an integer") from None
 
 
-def _derived_port(job_id: str | None, source: str) -> int:
+def _derived_port(job_id: str | None, source: str, port_range: tuple[int, int] | None) -> int:
+    """The same port on every rank of a job: a hash of its id, inside RINGCORE_PORT_RANGE if set."""
     if not job_id:
         raise ConfigError(f"{source}: no rendezvous port; set RINGCORE_PORT (or MASTER_PORT)")
+    base, span = (
+        (port_range[0], port_range[1] - port_range[0] + 1) if port_range else (_PORT_BASE, _PORT_SPAN)
+    )
     digest = hashlib.sha256(job_id.encode()).digest()
-    return _PORT_BASE + int.from_bytes(digest[:4], "little") % _PORT_SPAN
+    return base + int.from_bytes(digest[:4], "little") % span
 
 
 def listen_address(settings: Settings, store_addr: str, store_port: int) -> str:

@@ -124,3 +124,16 @@ def test_rank_without_size() -> None:
 def test_garbage_launcher_variable_names_it() -> None:
     with pytest.raises(ConfigError, match="WORLD_SIZE"):
         find({"RANK": "0", "WORLD_SIZE": "two"})
+
+
+def test_derived_port_stays_inside_the_port_range() -> None:
+    """Under mpirun with no port given, the derived store port honours RINGCORE_PORT_RANGE."""
+    settings = Settings.from_env({"RINGCORE_PORT_RANGE": "40000-40010"})
+    for job in ("1", "77", "prterun-host-123@1"):
+        env = {
+            "OMPI_COMM_WORLD_RANK": "0",
+            "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "OMPI_MCA_ess_base_jobid": job,
+        }
+        assert 40000 <= discover(settings, env).port <= 40010
