@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -162,3 +163,46 @@ def _as_error(status: str, value: Any) -> Any:
     if isinstance(value, RankError):
         return value
     return RankError(status, f"rank gave no answer ({status}, {value})", None, "")
+
+
+def qualified(cls: type) -> str:
+    """``module.Class``: how tasks report an exception's type across processes."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class Background:
+    """``cluster.run`` on some ranks in a thread, so the test can act while they work."""
+
+    def __init__(
+        self, cluster: Cluster, fn: Any, *args: Any, ranks: list[int] | None = None, timeout: float = 60.0
+    ) -> None:
+        self.out: list[Any] | None = None
+        self.timeout = timeout
+        self.thread = threading.Thread(
+            target=self._run, args=(cluster, fn, args, ranks, timeout), daemon=True, name="cluster-run"
+        )
+        self.thread.start()
+
+    def _run(self, cluster: Cluster, fn: Any, args: tuple, ranks: list[int] | None, timeout: float) -> None:
+        self.out = cluster.run(fn, *args, ranks=ranks, timeout=timeout)
+
+    def join(self, timeout: float | None = None) -> list[Any]:
+        timeout = self.timeout + 10 if timeout is None else timeout
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"no answer within {timeout} s: something hangs"
+        assert self.out is not None
+        return self.out
+
+
+def collect(procs: list[Any], results: Any, count: int, timeout: float) -> dict[Any, Any]:
+    """Start plain processes, take ``count`` ``(key, value)`` reports from ``results``, then reap them all."""
+    for proc in procs:
+        proc.start()
+    try:
+        return dict(results.get(timeout=timeout) for _ in range(count))
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)

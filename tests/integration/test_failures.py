@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
-import threading
 import time
 from typing import Any
 
@@ -21,34 +20,10 @@ import pytest
 
 import ringcore
 from tests import tasks
-from tests.cluster import Cluster, RankError, free_port
+from tests.cluster import Background, Cluster, RankError, collect, free_port, qualified
 
 DETECTION_BOUND = 30.0  # seconds from the kill to every survivor's error
 BIG = 8_000_000  # float32 elements: the ring path, many segments, ~0.1 s+ per allreduce
-
-
-def qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-class Background:
-    """``cluster.run`` on some ranks in a thread, so the test can act while they work."""
-
-    def __init__(self, cluster: Cluster, fn: Any, *args: Any, ranks: list[int], timeout: float) -> None:
-        self.out: list[Any] | None = None
-        self.thread = threading.Thread(
-            target=self._run, args=(cluster, fn, args, ranks, timeout), daemon=True, name="cluster-run"
-        )
-        self.thread.start()
-
-    def _run(self, cluster: Cluster, fn: Any, args: tuple, ranks: list[int], timeout: float) -> None:
-        self.out = cluster.run(fn, *args, ranks=ranks, timeout=timeout)
-
-    def join(self, timeout: float) -> list[Any]:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"no answer within {timeout} s"
-        assert self.out is not None
-        return self.out
 
 
 def others(size: int, victim: int) -> list[int]:
@@ -264,16 +239,7 @@ def test_repeated_init_and_shutdown_in_one_process() -> None:
     procs = [
         ctx.Process(target=tasks.init_shutdown_cycles, args=(r, size, ports, results)) for r in range(size)
     ]
-    for proc in procs:
-        proc.start()
-    try:
-        reports = dict(results.get(timeout=90) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+    reports = collect(procs, results, len(procs), 90)
     assert [proc.exitcode for proc in procs] == [0] * size
     for rank in range(size):
         report = reports[rank]

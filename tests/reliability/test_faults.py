@@ -40,7 +40,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ import pytest
 import ringcore
 from ringcore.errors import AuthenticationError
 from tests import tasks
-from tests.cluster import Cluster, RankError, free_port
+from tests.cluster import Background, Cluster, RankError, collect, free_port, qualified
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 2.0  # RINGCORE_TIMEOUT in every fault scenario
@@ -62,33 +61,9 @@ ENV = {"RINGCORE_TIMEOUT": str(TIMEOUT), "RINGCORE_SEGMENT_BYTES": "64K"}
 DETECTION: dict[str, float] = {}  # scenario -> worst detection time over its survivors
 
 
-def qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 PEER_FAILURE = qualified(ringcore.PeerFailure)
 TIMED_OUT = qualified(ringcore.CollectiveTimeout)
 CLOSED = qualified(ringcore.CommunicatorClosed)
-
-
-class Background:
-    """``cluster.run`` on some ranks in a thread, so the test can act while they work."""
-
-    def __init__(self, cluster: Cluster, fn: Any, *args: Any, ranks: list[int], timeout: float) -> None:
-        self.out: list[Any] | None = None
-        self.thread = threading.Thread(
-            target=self._run, args=(cluster, fn, args, ranks, timeout), daemon=True, name="cluster-run"
-        )
-        self.thread.start()
-
-    def _run(self, cluster: Cluster, fn: Any, args: tuple, ranks: list[int], timeout: float) -> None:
-        self.out = cluster.run(fn, *args, ranks=ranks, timeout=timeout)
-
-    def join(self, timeout: float) -> list[Any]:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"no answer within {timeout} s: something hangs"
-        assert self.out is not None
-        return self.out
 
 
 def read_stamp(path: Path) -> float:
@@ -217,16 +192,7 @@ def run_init_fault(
         )
         for r in range(size)
     ]
-    for proc in procs:
-        proc.start()
-    try:
-        return dict(results.get(timeout=INIT_TIMEOUT + 40) for _ in range(size - 1))
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+    return collect(procs, results, size - 1, INIT_TIMEOUT + 40)
 
 
 @pytest.mark.timeout(60)

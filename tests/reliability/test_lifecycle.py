@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests import tasks
-from tests.cluster import Cluster, free_port
+from tests.cluster import Cluster, collect, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CYCLES = 5
@@ -32,16 +32,7 @@ def spawn_ranks(target: Any, args_of: Any, ranks: list[int], reports: int, timeo
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(*args_of(r), results)) for r in ranks]
-    for proc in procs:
-        proc.start()
-    try:
-        return dict(results.get(timeout=timeout) for _ in range(reports))
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+    return collect(procs, results, reports, timeout)
 
 
 def assert_same_resources(before: Any, after: Any, where: str) -> None:

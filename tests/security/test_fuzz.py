@@ -40,7 +40,7 @@ from ringcore.transport.base import FrameMismatch, PeerAborted
 from ringcore.transport.mesh import connect_mesh, make_listener
 from ringcore.transport.tcp import TcpTransport, needed_links
 from tests import tasks
-from tests.cluster import Cluster, RankError
+from tests.cluster import Background, Cluster, RankError
 from tests.security import BOUND, free_range, poke, recv_all
 
 pytestmark = pytest.mark.timeout(90)
@@ -112,23 +112,6 @@ def listening_sockets(pid: int) -> list[tuple[str, int]]:
                     address = socket.inet_ntoa(bytes.fromhex(address)[::-1])
                 found.append((address, int(port, 16)))
     return found
-
-
-class Background:
-    """``cluster.run`` on a thread, so the test can attack while the ranks work."""
-
-    def __init__(self, cluster: Cluster, fn: Callable[..., Any], *args: Any) -> None:
-        self.out: list[Any] | None = None
-        self.thread = threading.Thread(target=self._run, args=(cluster, fn, args), daemon=True)
-        self.thread.start()
-
-    def _run(self, cluster: Cluster, fn: Callable[..., Any], args: tuple) -> None:
-        self.out = cluster.run(fn, *args, timeout=60)
-
-    def join(self) -> list[Any]:
-        self.thread.join(70)
-        assert self.out is not None, "the ranks did not finish their loop"
-        return self.out
 
 
 def assert_unanswered(reply: bytes, sent: bytes) -> None:
