@@ -214,14 +214,20 @@ def test_silent_server_times_out_the_client() -> None:
     b.close()
 
 
-def test_replayed_client_transcript_fails() -> None:
-    """A recorded, successful client side replayed to a fresh server: the server's nonce is new."""
+def recorded_handshake() -> Recorder:
+    """A successful data-plane handshake, with both directions' bytes recorded on the client."""
     a, b = socket.socketpair()
     wait = serve(b, KEY)
     recorder = Recorder(a)
     auth.client_handshake(recorder, KEY, DATA, 5.0)  # type: ignore[arg-type]
     a.close()
     assert wait() is None
+    return recorder
+
+
+def test_replayed_client_transcript_fails() -> None:
+    """A recorded, successful client side replayed to a fresh server: the server's nonce is new."""
+    recorder = recorded_handshake()
     hello, answer = recorder.sent
     assert len(hello) == 36 and len(answer) == 32
 
@@ -239,12 +245,7 @@ def test_replayed_client_transcript_fails() -> None:
 
 def test_replayed_server_transcript_fails() -> None:
     """A recorded server reply replayed to a fresh client: the client's nonce is new."""
-    a, b = socket.socketpair()
-    wait = serve(b, KEY)
-    recorder = Recorder(a)
-    auth.client_handshake(recorder, KEY, DATA, 5.0)  # type: ignore[arg-type]
-    a.close()
-    assert wait() is None
+    recorder = recorded_handshake()
 
     a, b = socket.socketpair()
     replay = threading.Thread(target=lambda: (b.recv(36, socket.MSG_WAITALL), b.sendall(recorder.received)))
