@@ -30,13 +30,11 @@ class DType:
     """An element type ringcore can move and reduce.
 
     Attributes:
-        name: canonical name (``"float32"``, ``"bfloat16"``...).
-        code: a small integer used in frame headers and descriptors.
+        name: canonical name (``"float32"``, ``"bfloat16"``...), also what descriptors compare.
         storage: the numpy dtype the memory is viewed as (``uint16`` for bfloat16).
     """
 
     name: str
-    code: int
     storage: np.dtype
 
     @property
@@ -63,10 +61,8 @@ _NAMES = [
     "uint64",
 ]
 DTYPES: dict[str, DType] = {
-    name: DType(name, code, np.dtype("uint16" if name == "bfloat16" else name))
-    for code, name in enumerate(_NAMES, start=1)
+    name: DType(name, np.dtype("uint16" if name == "bfloat16" else name)) for name in _NAMES
 }
-DTYPES_BY_CODE: dict[int, DType] = {d.code: d for d in DTYPES.values()}
 SUPPORTED = ", ".join(_NAMES)
 
 _DLPACK_CPU = (1, 3)  # kDLCPU, kDLCUDAHost: memory the CPU can address

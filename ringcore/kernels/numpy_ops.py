@@ -59,7 +59,7 @@ def f32_to_bf16(src: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 
 class Reducer:
-    """The kernels of one collective: combine, convert, finalize.
+    """The kernels of one collective: combine (with avg's final division) and convert.
 
     Args:
         dtype: the caller's element type.
@@ -92,17 +92,6 @@ class Reducer:
         self.ufunc(self._load(a, self._widen_for(a.size)), self._load(b, acc), out=acc)
         if scale:
             np.divide(acc, self.world, out=acc, casting="unsafe")
-        self._store(dst, acc)
-
-    def finalize(self, dst: np.ndarray) -> None:
-        """Apply avg's division to already-reduced values in ``dst``."""
-        if self.op is not ReduceOp.AVG or self.world == 1:
-            return
-        if dst.dtype == self.acc_dtype:
-            np.divide(dst, self.world, out=dst, casting="unsafe")
-            return
-        acc = self._load(dst, self._scratch_for(dst.size))
-        np.divide(acc, self.world, out=acc)
         self._store(dst, acc)
 
     def convert(self, dst: np.ndarray, src: np.ndarray) -> None:

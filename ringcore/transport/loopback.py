@@ -61,7 +61,6 @@ class LoopbackTransport:
         self.rank = rank
         self.size = network.size
         self.channels = network.channels
-        self.aborted: dict[str, Any] | None = None
         self.current = (-1, 0)
 
     def expect(self, seq: int, signature: int) -> None:

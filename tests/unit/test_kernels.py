@@ -70,16 +70,16 @@ def test_avg_divides_once_on_final(dtype: str, world: int) -> None:
     if world > 1:
         np.divide(want, world, out=want)
     np.testing.assert_array_equal(final, want)
-    reducer.finalize(partial)
-    np.testing.assert_array_equal(partial, want)
 
 
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MIN, ReduceOp.PROD])
-def test_finalize_is_a_no_op_except_for_avg(op: ReduceOp) -> None:
-    x = sample("float32", 20, 7)
-    before = x.copy()
-    Reducer(DTYPES["float32"], op, Compression.NONE, 5).finalize(x)
-    np.testing.assert_array_equal(x, before)
+def test_final_combine_scales_only_avg(op: ReduceOp) -> None:
+    a, b = sample("float32", 20, 7), sample("float32", 20, 8)
+    plain, final = np.empty_like(a), np.empty_like(a)
+    reducer = Reducer(DTYPES["float32"], op, Compression.NONE, 5)
+    reducer.combine(plain, a, b)
+    reducer.combine(final, a, b, final=True)
+    np.testing.assert_array_equal(final, plain)
 
 
 # --------------------------------------------------------------------------- fp16 compression
@@ -212,9 +212,10 @@ def test_bf16_combine_widens_then_rounds(op: ReduceOp) -> None:
     np.testing.assert_array_equal(a, want)
 
 
-def test_bf16_finalize_divides_in_float32() -> None:
+def test_bf16_final_combine_divides_in_float32() -> None:
     x = (np.array([3.0, -6.0, 1.5, 100.0], np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    Reducer(DTYPES["bfloat16"], ReduceOp.AVG, Compression.NONE, 3).finalize(x)
+    zero = np.zeros(4, np.uint16)  # bfloat16 +0.0
+    Reducer(DTYPES["bfloat16"], ReduceOp.AVG, Compression.NONE, 3).combine(x, x, zero, final=True)
     np.testing.assert_array_equal(bf16_to_f32(x, np.empty(4, np.float32)), [1.0, -2.0, 0.5, 33.25])
 
 
