@@ -21,9 +21,8 @@ import numpy as np
 from ringcore.algo import broadcast as chain
 from ringcore.algo import recursive_doubling, ring
 from ringcore.algo.steps import Buf, Schedule, chunk_bounds
-from ringcore.buffers import Buffer, as_buffer
+from ringcore.buffers import DTYPES, Buffer, as_buffer
 from ringcore.descriptor import Descriptor
-from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
 
 if TYPE_CHECKING:
@@ -71,7 +70,7 @@ def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
             "allreduce", seq, buffer.dtype.name, buffer.shape, reduce_op.value, None, comp.value
         )
         if comm.size > 1:
-            reducer = Reducer(buffer.dtype, reduce_op, comp, comm.size)
+            reducer = comm.reducer(buffer.dtype, reduce_op, comp)
             in_place = reducer.wire_dtype == buffer.dtype.storage
             schedule = _allreduce_schedule(comm, buffer.count, reducer.wire_dtype.itemsize, in_place)
             arrays = comm.scratch_arrays(schedule, buffer, reducer.wire_dtype)
@@ -106,7 +105,7 @@ def plan_broadcast(obj: Any, root: int, rank: int, size: int) -> Plan:
     def run(comm: Communicator, seq: int) -> Any:
         desc = Descriptor("broadcast", seq, buffer.dtype.name, buffer.shape, None, root)
         if comm.size > 1:
-            reducer = Reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE, comm.size)
+            reducer = comm.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
             schedule = chain.broadcast(
                 comm.rank, comm.size, root, buffer.count, buffer.dtype.itemsize, comm.settings.segment_bytes
             )
@@ -140,7 +139,7 @@ def plan_allgather(obj: Any) -> Plan:
         out[start : start + n] = buffer.array
         if comm.size > 1:
             desc = Descriptor("allgather", seq, buffer.dtype.name, trailing)
-            reducer = Reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE, comm.size)
+            reducer = comm.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
             schedule = ring.allgather(
                 comm.rank, comm.size, chunks, buffer.dtype.itemsize, comm.settings.segment_bytes
             )
@@ -157,8 +156,7 @@ def _gather_counts(
     counts[comm.rank] = rows
     if comm.size > 1:
         desc = Descriptor("allgather", seq, dtype, trailing, None, None, "counts")
-        int64 = as_buffer(counts, writable=True)
-        reducer = Reducer(int64.dtype, ReduceOp.SUM, Compression.NONE, comm.size)
+        reducer = comm.reducer(DTYPES["int64"], ReduceOp.SUM, Compression.NONE)
         schedule = ring.allgather(comm.rank, comm.size, tuple((i, 1) for i in range(comm.size)), 8, 1 << 20)
         comm.execute(desc, schedule, {Buf.WORK: counts}, reducer, sub=1)
     return [int(c) for c in counts]
@@ -192,7 +190,7 @@ def plan_reduce_scatter(obj: Any, op: Any, compression: Any) -> Plan:
         chunks = tuple((start * row_count, n * row_count) for start, n in row_chunks)
         start, n = chunks[comm.rank]
         out = np.empty(n, buffer.dtype.storage)
-        reducer = Reducer(buffer.dtype, reduce_op, comp, comm.size)
+        reducer = comm.reducer(buffer.dtype, reduce_op, comp)
         if comm.size == 1:
             out[:] = buffer.array
         else:
@@ -212,9 +210,7 @@ def plan_barrier() -> Plan:
     def run(comm: Communicator, seq: int) -> None:
         if comm.size > 1:
             empty = np.empty(0, np.uint8)
-            reducer = Reducer(
-                as_buffer(empty, writable=False).dtype, ReduceOp.SUM, Compression.NONE, comm.size
-            )
+            reducer = comm.reducer(DTYPES["uint8"], ReduceOp.SUM, Compression.NONE)
             desc = Descriptor("barrier", seq, "uint8", ())
             comm.execute(desc, chain.barrier(comm.rank, comm.size), {Buf.WORK: empty}, reducer)
 

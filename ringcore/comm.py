@@ -27,11 +27,12 @@ import numpy as np
 from ringcore import collectives
 from ringcore.algo.execute import Executor
 from ringcore.algo.steps import Buf, Schedule
-from ringcore.buffers import Buffer
+from ringcore.buffers import Buffer, DType
 from ringcore.config import Settings
 from ringcore.descriptor import Descriptor, explain
 from ringcore.errors import CollectiveTimeout, CommunicatorClosed, MismatchError, PeerFailure, RingcoreError
 from ringcore.kernels.numpy_ops import Reducer
+from ringcore.ops import Compression, ReduceOp
 from ringcore.stall import Progress, StallInspector
 from ringcore.store import StoreClient, StoreServer
 from ringcore.timeline import Timeline, rank_path
@@ -103,6 +104,7 @@ class Communicator:
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._scratch: dict[Buf, np.ndarray] = {}
+        self._reducers: dict[tuple[str, ReduceOp, Compression], Reducer] = {}
         self.progress = Progress()
         self.timeline: Timeline | None = None
         if settings.timeline:
@@ -183,6 +185,7 @@ class Communicator:
         if self.server is not None:
             self.server.close()
         self._scratch.clear()
+        self._reducers.clear()
 
     def __enter__(self) -> Communicator:
         return self
@@ -261,6 +264,14 @@ class Communicator:
                 collectives.plan_barrier().run(self, 0)
 
     # ------------------------------------------------------------------ execution
+
+    def reducer(self, dtype: DType, op: ReduceOp, compression: Compression) -> Reducer:
+        """The kernels for one kind of collective, kept so their scratch arrays are reused."""
+        key = (dtype.name, op, compression)
+        reducer = self._reducers.get(key)
+        if reducer is None:
+            reducer = self._reducers[key] = Reducer(dtype, op, compression, self.size)
+        return reducer
 
     def scratch_arrays(
         self, schedule: Schedule, buffer: Buffer, wire_dtype: np.dtype
