@@ -64,6 +64,7 @@ class Settings:
     timeline: str | None = None
     stall_warning: float = 60.0
     stall_shutdown: float | None = None
+    gpu_staging_bytes: int = 8 * MIB  # pinned host memory per connection and direction (GPU buffers)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -94,6 +95,9 @@ class Settings:
             timeline=env.get("RINGCORE_TIMELINE") or None,
             stall_warning=reader.float("RINGCORE_STALL_WARNING", cls.stall_warning),
             stall_shutdown=reader.float("RINGCORE_STALL_SHUTDOWN", 0.0) or None,
+            gpu_staging_bytes=reader.size(
+                "RINGCORE_GPU_STAGING_BYTES", cls.gpu_staging_bytes, minimum=64 * KIB
+            ),
         )
 
     def __repr__(self) -> str:  # never print the secret
