@@ -65,6 +65,10 @@ class Settings:
     stall_warning: float = 60.0
     stall_shutdown: float | None = None
     gpu_staging_bytes: int = 8 * MIB  # pinned host memory per connection and direction (GPU buffers)
+    transport: str = "tcp"  # tcp | ibverbs | auto
+    ib_device: str | None = None
+    ib_port: int = 1
+    ib_gid_index: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -98,6 +102,10 @@ class Settings:
             gpu_staging_bytes=reader.size(
                 "RINGCORE_GPU_STAGING_BYTES", cls.gpu_staging_bytes, minimum=64 * KIB
             ),
+            transport=_transport(env.get("RINGCORE_TRANSPORT") or cls.transport),
+            ib_device=env.get("RINGCORE_IB_DEVICE") or None,
+            ib_port=reader.int("RINGCORE_IB_PORT", cls.ib_port, minimum=1, maximum=255),
+            ib_gid_index=reader.int("RINGCORE_IB_GID_INDEX", None, minimum=0, maximum=4095),
         )
 
     def __repr__(self) -> str:  # never print the secret
@@ -141,6 +149,16 @@ class _Reader:
         if not text:
             return default
         return _bounded(name, parse_size(text, name), minimum, None)
+
+
+TRANSPORTS = ("tcp", "ibverbs", "auto")
+
+
+def _transport(text: str) -> str:
+    name = text.strip().lower()
+    if name not in TRANSPORTS:
+        raise ConfigError(f"RINGCORE_TRANSPORT={text!r} is not one of {', '.join(TRANSPORTS)}")
+    return name
 
 
 def _port_range(text: str) -> tuple[int, int] | None:
