@@ -48,7 +48,7 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
     key = _secret(settings)
     server_tls, client_tls = tls_contexts(settings.tls_cert, settings.tls_key, settings.tls_ca)
     server = _start_server(world, key, settings, server_tls) if world.rank == 0 else None
-    store = listener = None
+    store = listener = device = None
     try:
         store = StoreClient(
             world.addr, world.port, settings.init_timeout, key, settings.handshake_timeout, client_tls
@@ -57,6 +57,8 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
             raise ConfigError(f"two processes claim rank {world.rank}; check RINGCORE_RANK / the launcher")
         if world.rank == 0:
             store.set("session", secrets.randbits(63))
+        if settings.transport != "tcp":
+            device, records = _open_rdma(store, world, settings)
         host = listen_address(settings, world.addr, world.port)
         listener = make_listener(host, settings.socket_buffer, port_range=settings.port_range)
         store.set(f"peer/{world.rank}", _me(host, listener, world))
@@ -66,7 +68,7 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
         transport = connect_mesh(
             world.rank,
             world.size,
-            settings.channels,
+            settings.channels if device is None else 1,  # with RDMA, TCP only carries control frames
             listener,
             addresses,
             session,
@@ -76,8 +78,22 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
             handshake_timeout=settings.handshake_timeout,
             liveness=settings.timeout,
         )
+        if device is not None:
+            from ringcore.transport import ibverbs
+
+            transport = ibverbs.connect(
+                world.rank,
+                world.size,
+                settings.channels,
+                device,
+                records,
+                transport,
+                store,
+                settings.init_timeout,
+            )
+            device = None  # the transport owns it now
     except BaseException as err:
-        for closable in (listener, store):
+        for closable in (listener, store, device):
             if closable is not None:
                 closable.close()
         if server is not None:
@@ -92,6 +108,41 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
         comm.shutdown()
         raise
     return comm
+
+
+def _open_rdma(store: StoreClient, world: WorldSpec, settings: Settings) -> tuple[Any, list[dict[str, Any]]]:
+    """Open this rank's verbs device and learn every rank's; ``(None, [])`` means use TCP.
+
+    Every rank publishes its queue pairs, or why it cannot use RDMA. With
+    ``RINGCORE_TRANSPORT=auto`` one rank without RDMA makes every rank use TCP;
+    with ``ibverbs`` it is an error on every rank, naming that rank.
+    """
+    from ringcore.transport import ibverbs
+
+    device, record = ibverbs.open_device(settings, world.rank, world.size, settings.channels)
+    store.set(f"ib/{world.rank}", record)
+    records = []
+    for rank in range(world.size):
+        try:
+            records.append(store.get(f"ib/{rank}", settings.init_timeout))
+        except CollectiveTimeout:
+            if device is not None:
+                device.close()
+            raise CollectiveTimeout(
+                f"rank {world.rank}: rank {rank} did not publish its RDMA queue pairs within "
+                f"{settings.init_timeout:g} s; is RINGCORE_TRANSPORT the same on every rank?"
+            ) from None
+    failed = {rank: r["error"] for rank, r in enumerate(records) if "error" in r}
+    if not failed:
+        log.info("rank %d: RDMA transport on %s (GID %s)", world.rank, record["device"], record["gid"])
+        return device, records
+    if device is not None:
+        device.close()
+    culprit, why = min(failed.items())
+    if settings.transport == "ibverbs":
+        raise ConfigError(f"RINGCORE_TRANSPORT=ibverbs, but rank {culprit} cannot use RDMA: {why}")
+    log.info("RINGCORE_TRANSPORT=auto: using TCP because rank %d cannot use RDMA: %s", culprit, why)
+    return None, []
 
 
 def _secret(settings: Settings) -> bytes:

@@ -1,4 +1,9 @@
-"""One conformance suite every transport must pass: loopback (zero capacity) and TCP on 127.0.0.1.
+"""One conformance suite every transport must pass.
+
+The transports: loopback (zero capacity), TCP on 127.0.0.1, the RDMA
+transport's protocol over fake verbs (``rdma-fake``, runs everywhere), and the
+RDMA transport on a real verbs device (``ibverbs``: skipped unless one is
+present, e.g. in the Soft-RoCE guest of ``ci/rdma-vm``).
 
 Each rank's work runs on its own thread and drives its own ``progress``, as the
 executor does, so a transport that needs the peer to be inside ``progress`` at
@@ -21,6 +26,10 @@ from ringcore.transport import wire
 from ringcore.transport.base import FrameMismatch, PeerAborted, Request
 from ringcore.transport.loopback import LoopbackNetwork
 from ringcore.transport.mesh import connect_mesh, make_listener
+from ringcore.transport.rdma import RdmaTransport
+from ringcore.transport.tcp import needed_links
+from tests.fake_verbs import FakeFabric
+from tests.rdma_support import DictStore, needs_rdma
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,7 +68,43 @@ def tcp_mesh(size: int, channels: int, before: Callable[[list[socket.socket]], N
     return transports
 
 
-@pytest.fixture(params=["loopback", "tcp"])
+def rdma_fake_mesh(size: int, channels: int) -> list:
+    """The RDMA transport's protocol over the in-process fake verbs (not an RDMA test)."""
+    controls = tcp_mesh(size, 1)
+    fabric = FakeFabric()
+    transports = []
+    for rank in range(size):
+        links = needed_links(rank, size, channels)
+        device = fabric.device(rank, links)
+        transports.append(RdmaTransport(rank, size, channels, device, links, controls[rank]))
+    for transport in transports:
+        transport.post_receives()
+    return transports
+
+
+def ibverbs_mesh(size: int, channels: int) -> list:
+    """The RDMA transport on a real verbs device, every rank in this process (RDMA test)."""
+    from ringcore.config import Settings
+    from ringcore.transport import ibverbs
+
+    controls = tcp_mesh(size, 1)
+    opened = [ibverbs.open_device(Settings(), rank, size, channels) for rank in range(size)]
+    assert all(device is not None for device, _ in opened), [record for _, record in opened]
+    records = [record for _, record in opened]
+    store = DictStore()
+    transports: list = [None] * size
+
+    def connect(rank: int) -> None:
+        device = opened[rank][0]
+        transports[rank] = ibverbs.connect(rank, size, channels, device, records, controls[rank], store, 20.0)
+
+    in_parallel(*[lambda rank=rank: connect(rank) for rank in range(size)])
+    return transports
+
+
+@pytest.fixture(
+    params=["loopback", "tcp", "rdma-fake", pytest.param("ibverbs", marks=[pytest.mark.rdma, needs_rdma])]
+)
 def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
     made: list = []
 
@@ -67,8 +112,12 @@ def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
         if request.param == "loopback":
             network = LoopbackNetwork(size, channels)
             transports = [network.transport(r) for r in range(size)]
-        else:
+        elif request.param == "tcp":
             transports = tcp_mesh(size, channels)
+        elif request.param == "rdma-fake":
+            transports = rdma_fake_mesh(size, channels)
+        else:
+            transports = ibverbs_mesh(size, channels)
         made.extend(transports)
         return transports
 
