@@ -12,6 +12,7 @@ setup(
         "ringcore.transport",
         "ringcore.algo",
         "ringcore.kernels",
+        "ringcore.device",
         "ringcore.bindings",
         "ringcore.bench",
         "ringcore.bench.peers",

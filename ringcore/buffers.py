@@ -7,10 +7,12 @@ anything exporting the buffer protocol with a numeric format (``bytearray``,
 byte is sent, with a ``TypeError`` (wrong kind of object or dtype) or a
 ``ValueError`` (non-contiguous, read-only for an in-place collective).
 
-``Buffer.device`` is where the memory lives. Only ``"cpu"`` is handled today;
-a GPU layer plugs in by returning a ``Buffer`` with ``device="cuda"`` and its
-own kernels, without touching the algorithms (they only see regions of
-elements).
+``Buffer.device`` is where the memory lives. GPU memory (``device="cuda"``)
+arrives through ``__cuda_array_interface__`` (CuPy, torch CUDA tensors,
+Numba) or a CUDA DLPack capsule; it is validated here from the interface
+alone, with the same errors as host memory, and described by a device
+pointer (``Buffer.ptr``): nothing is imported, no GPU is touched, until the
+collective runs on the device path (:mod:`ringcore.device`).
 
 bfloat16 has no numpy dtype: its memory is viewed as ``uint16`` and the
 kernels know to widen it to float32 (see :mod:`ringcore.kernels.numpy_ops`).
@@ -19,6 +21,7 @@ kernels know to widen it to float32 (see :mod:`ringcore.kernels.numpy_ops`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from typing import Any
 
@@ -66,6 +69,7 @@ DTYPES: dict[str, DType] = {
 SUPPORTED = ", ".join(_NAMES)
 
 _DLPACK_CPU = (1, 3)  # kDLCPU, kDLCUDAHost: memory the CPU can address
+_DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,24 +77,34 @@ class Buffer:
     """A validated, contiguous view of a caller's buffer.
 
     Attributes:
-        array: flat 1-D numpy view of the caller's memory (dtype ``dtype.storage``).
+        array: flat 1-D numpy view of the caller's memory (dtype ``dtype.storage``);
+            for GPU memory, an empty placeholder (the memory is at ``ptr``).
         dtype: the element type.
         shape: the caller's shape (``()`` for 0-d arrays).
-        device: ``"cpu"``.
+        device: ``"cpu"`` or ``"cuda"``.
+        ptr: the device address of the first element (``"cuda"`` only).
+        owner: the caller's object, kept alive while the buffer is in use.
+        stream: the CUDA stream the producer asked consumers to wait for
+            (``__cuda_array_interface__`` v3), or ``None``.
     """
 
     array: np.ndarray
     dtype: DType
     shape: tuple[int, ...]
     device: str = "cpu"
+    ptr: int = 0
+    owner: Any = None
+    stream: int | None = None
 
     @property
     def count(self) -> int:
-        return int(self.array.size)
+        if self.device == "cpu":
+            return int(self.array.size)
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
-        return int(self.array.nbytes)
+        return self.count * self.dtype.itemsize
 
 
 def as_buffer(obj: Any, *, writable: bool, what: str = "buffer") -> Buffer:
@@ -102,9 +116,11 @@ def as_buffer(obj: Any, *, writable: bool, what: str = "buffer") -> Buffer:
         what: how to name ``obj`` in error messages (e.g. ``"allreduce buffer"``).
 
     Raises:
-        TypeError: not an array-like, a GPU buffer, or an unsupported dtype.
+        TypeError: not an array-like, or an unsupported dtype.
         ValueError: not contiguous, or read-only while ``writable``.
     """
+    if _is_cuda(obj):
+        return _cuda_buffer(obj, writable, what)
     array, dtype_name = _to_numpy(obj, what)
     dtype = _dtype_of(array, dtype_name, what)
     if not array.flags.c_contiguous:
@@ -124,8 +140,6 @@ def _to_numpy(obj: Any, what: str) -> tuple[np.ndarray, str | None]:
     """Return a zero-copy ndarray over ``obj`` and an explicit dtype name if numpy can't know it."""
     if isinstance(obj, np.ndarray):
         return obj, None
-    if hasattr(obj, "__cuda_array_interface__"):
-        raise TypeError(f"{what} is a GPU buffer; GPU buffers are not supported by this build of ringcore")
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
         return _from_dlpack(obj, what)
     if hasattr(obj, "__array_interface__"):
@@ -147,8 +161,8 @@ def _from_dlpack(obj: Any, what: str) -> tuple[np.ndarray, str | None]:
     device_type, _ = obj.__dlpack_device__()
     if int(device_type) not in _DLPACK_CPU:
         raise TypeError(
-            f"{what} lives on a GPU (DLPack device type {int(device_type)}); "
-            "GPU buffers are not supported by this build of ringcore"
+            f"{what} lives on a device ringcore cannot address (DLPack device type {int(device_type)}); "
+            "use CPU or CUDA memory"
         )
     if str(getattr(obj, "dtype", "")) == "torch.bfloat16":
         torch = sys.modules["torch"]
@@ -180,3 +194,72 @@ def _dtype_of(array: np.ndarray, explicit: str | None, what: str) -> DType:
             f"{what} has dtype {array.dtype}, which ringcore cannot reduce; supported: {SUPPORTED}"
         )
     return dtype
+
+
+# --------------------------------------------------------------------------- GPU memory
+
+
+def _is_cuda(obj: Any) -> bool:
+    if isinstance(obj, np.ndarray):
+        return False
+    try:
+        if hasattr(obj, "__cuda_array_interface__"):
+            return True
+    except Exception:  # torch raises for tensors it cannot describe (bfloat16, requires_grad)
+        return True
+    if hasattr(obj, "__dlpack_device__"):
+        try:
+            return int(obj.__dlpack_device__()[0]) in _DLPACK_CUDA
+        except Exception:
+            return False
+    return False
+
+
+def _cuda_buffer(obj: Any, writable: bool, what: str) -> Buffer:
+    """A ``device="cuda"`` buffer from ``__cuda_array_interface__`` (or DLPack, through the device layer)."""
+    owner, name = obj, None
+    if str(getattr(obj, "dtype", "")) == "torch.bfloat16":  # the interface has no bfloat16 typestr
+        obj, name = obj.view(getattr(sys.modules.get("torch"), "int16", None)), "bfloat16"
+    try:
+        iface = obj.__cuda_array_interface__
+    except AttributeError:  # DLPack only (e.g. JAX): let the device layer import it
+        from ringcore import device
+
+        obj = device.layer().from_dlpack(obj)
+        iface = obj.__cuda_array_interface__
+    except RuntimeError as err:
+        hint = " (call .detach() first)" if "grad" in str(err) else ""
+        raise TypeError(
+            f"{what} could not be exported through __cuda_array_interface__: {err}{hint}"
+        ) from None
+    except TypeError as err:
+        raise TypeError(f"{what} has a dtype ringcore cannot reduce on the GPU: {err}") from None
+    shape = tuple(int(n) for n in iface["shape"])
+    try:
+        storage = np.dtype(iface["typestr"])
+    except TypeError:
+        raise TypeError(f"{what} has typestr {iface['typestr']!r}, which is not a numeric type") from None
+    dtype = _dtype_of(np.empty(0, storage), name, what)
+    if iface.get("mask") is not None:
+        raise TypeError(f"{what} is a masked GPU array; pass its data without a mask")
+    if not _c_contiguous(shape, iface.get("strides"), storage.itemsize):
+        raise ValueError(
+            f"{what} is not contiguous (shape {shape}, strides {iface.get('strides')}); "
+            "pass a contiguous copy, e.g. cupy.ascontiguousarray(x) or tensor.contiguous()"
+        )
+    ptr, read_only = iface["data"]
+    if writable and read_only:
+        raise ValueError(f"{what} is read-only, but this collective writes its result into it in place")
+    empty = np.empty(0, dtype.storage)
+    return Buffer(empty, dtype, shape, "cuda", int(ptr or 0), owner, iface.get("stream"))
+
+
+def _c_contiguous(shape: tuple[int, ...], strides: Any, itemsize: int) -> bool:
+    if strides is None or math.prod(shape) == 0:
+        return True
+    expected = itemsize
+    for n, stride in zip(reversed(shape), reversed(tuple(strides)), strict=True):
+        if n != 1 and stride != expected:
+            return False
+        expected *= n
+    return True

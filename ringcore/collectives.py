@@ -8,6 +8,10 @@ result into the caller's buffer (the *commit*), or, for the in-place ring,
 lets the executor write it there with every overwritten region backed up and
 restored on failure. Either way a failed collective leaves the caller's
 buffer untouched; a successful one leaves it fully reduced.
+
+GPU buffers (``Buffer.device == "cuda"``) take the same plans up to the run,
+which hands them to :mod:`ringcore.device.plans` (allreduce and broadcast;
+the other collectives refuse them before anything is sent).
 """
 
 from __future__ import annotations
@@ -69,10 +73,14 @@ def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
         desc = Descriptor(
             "allreduce", seq, buffer.dtype.name, buffer.shape, reduce_op.value, None, comp.value
         )
-        if comm.size > 1:
+        if comm.size > 1 and buffer.device == "cuda":
+            from ringcore.device import plans
+
+            plans.allreduce(comm, desc, buffer, reduce_op, comp)
+        elif comm.size > 1:
             reducer = comm.reducer(buffer.dtype, reduce_op, comp)
             in_place = reducer.wire_dtype == buffer.dtype.storage
-            schedule = _allreduce_schedule(comm, buffer.count, reducer.wire_dtype.itemsize, in_place)
+            schedule = allreduce_schedule(comm, buffer.count, reducer.wire_dtype.itemsize, in_place)
             arrays = comm.scratch_arrays(schedule, buffer, reducer.wire_dtype)
             if schedule.prefill_work:
                 reducer.convert(arrays[Buf.WORK], buffer.array)
@@ -90,7 +98,7 @@ def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
     return Plan("allreduce", run, nbytes=buffer.nbytes, details=details)
 
 
-def _allreduce_schedule(comm: Communicator, count: int, itemsize: int, in_place: bool) -> Schedule:
+def allreduce_schedule(comm: Communicator, count: int, itemsize: int, in_place: bool) -> Schedule:
     """Recursive doubling for small buffers (latency), the ring for the rest (bandwidth)."""
     settings = comm.settings
     if count * itemsize <= settings.small_bytes or count < comm.size:
@@ -104,7 +112,11 @@ def plan_broadcast(obj: Any, root: int, rank: int, size: int) -> Plan:
 
     def run(comm: Communicator, seq: int) -> Any:
         desc = Descriptor("broadcast", seq, buffer.dtype.name, buffer.shape, None, root)
-        if comm.size > 1:
+        if comm.size > 1 and buffer.device == "cuda":
+            from ringcore.device import plans
+
+            plans.broadcast(comm, desc, buffer, root)
+        elif comm.size > 1:
             reducer = comm.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
             schedule = chain.broadcast(
                 comm.rank, comm.size, root, buffer.count, buffer.dtype.itemsize, comm.settings.segment_bytes
@@ -119,6 +131,15 @@ def plan_broadcast(obj: Any, root: int, rank: int, size: int) -> Plan:
     return Plan("broadcast", run, nbytes=buffer.nbytes, details=details)
 
 
+def _host_only(buffer: Buffer, what: str) -> Buffer:
+    if buffer.device != "cpu":
+        raise TypeError(
+            f"{what}: GPU buffers are supported by allreduce and broadcast only; "
+            "pass a host copy (e.g. cupy.asnumpy(x) or tensor.cpu())"
+        )
+    return buffer
+
+
 def _rows(buffer: Buffer, what: str) -> int:
     if not buffer.shape:
         raise ValueError(f"{what} needs an array with at least one dimension, got a 0-d array")
@@ -126,7 +147,7 @@ def _rows(buffer: Buffer, what: str) -> int:
 
 
 def plan_allgather(obj: Any) -> Plan:
-    buffer = as_buffer(obj, writable=False, what="allgather input")
+    buffer = _host_only(as_buffer(obj, writable=False, what="allgather input"), "allgather")
     rows = _rows(buffer, "allgather")
     row_count = int(np.prod(buffer.shape[1:], dtype=np.int64))
 
@@ -176,7 +197,7 @@ def _as_caller_dtype(out: np.ndarray, obj: Any) -> np.ndarray:
 
 
 def plan_reduce_scatter(obj: Any, op: Any, compression: Any) -> Plan:
-    buffer = as_buffer(obj, writable=False, what="reduce_scatter input")
+    buffer = _host_only(as_buffer(obj, writable=False, what="reduce_scatter input"), "reduce_scatter")
     rows = _rows(buffer, "reduce_scatter")
     reduce_op, comp = ReduceOp.parse(op), Compression.parse(compression)
     _check_reduction(buffer, reduce_op, comp, "reduce_scatter")

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,6 +38,10 @@ from ringcore.store import StoreClient, StoreServer
 from ringcore.timeline import Timeline, rank_path
 from ringcore.transport.base import FrameMismatch, PeerAborted, Transport
 from ringcore.transport.wire import ProtocolError
+
+if TYPE_CHECKING:
+    from ringcore.device.plans import DeviceContext
+    from ringcore.device.staging import Staging
 
 log = logging.getLogger("ringcore")
 
@@ -105,6 +109,7 @@ class Communicator:
         self._worker: threading.Thread | None = None
         self._scratch: dict[Buf, np.ndarray] = {}
         self._reducers: dict[tuple[str, ReduceOp, Compression], Reducer] = {}
+        self._device: DeviceContext | None = None
         self.progress = Progress()
         self.timeline: Timeline | None = None
         if settings.timeline:
@@ -186,6 +191,7 @@ class Communicator:
             self.server.close()
         self._scratch.clear()
         self._reducers.clear()
+        self._device = None
 
     def __enter__(self) -> Communicator:
         return self
@@ -273,6 +279,14 @@ class Communicator:
             reducer = self._reducers[key] = Reducer(dtype, op, compression, self.size)
         return reducer
 
+    def device_context(self) -> DeviceContext:
+        """Streams, pinned slots, kernels and scratch for GPU buffers, made when the first one arrives."""
+        if self._device is None:
+            from ringcore.device.plans import DeviceContext
+
+            self._device = DeviceContext(self.settings.gpu_staging_bytes, self.size)
+        return self._device
+
     def scratch_arrays(
         self, schedule: Schedule, buffer: Buffer, wire_dtype: np.dtype
     ) -> dict[Buf, np.ndarray]:
@@ -293,27 +307,45 @@ class Communicator:
         desc: Descriptor,
         schedule: Schedule,
         arrays: dict[Buf, np.ndarray],
-        reducer: Reducer,
+        reducer: Any,
         sub: int = 0,
+        staging: Staging | None = None,
     ) -> None:
         """Run one schedule; on failure, tell the peers, break the communicator and raise.
 
         ``sub`` numbers the schedules of one collective (allgather runs two), so
-        their frames carry different tags.
+        their frames carry different tags. With ``staging``, ``arrays`` are
+        device arrays and the staged executor runs the schedule.
         """
         if self.transport is None:
             raise RingcoreError("a world of size > 1 needs a transport")
-        executor = Executor(
-            self.transport,
-            schedule,
-            arrays,
-            reducer,
-            desc.seq * 2 + sub,
-            desc.signature(),
-            self.settings.timeout,
-            timeline=self.timeline if desc.seq else None,  # #0 is init's barrier, not the user's
-            interrupt=self.stall.interruption if self.stall is not None else None,
-        )
+        executor: Any
+        if staging is not None:
+            from ringcore.device.staging import StagedExecutor
+
+            executor = StagedExecutor(
+                self.transport,
+                schedule,
+                arrays,
+                reducer,
+                desc.seq * 2 + sub,
+                desc.signature(),
+                self.settings.timeout,
+                staging,
+                interrupt=self.stall.interruption if self.stall is not None else None,
+            )
+        else:
+            executor = Executor(
+                self.transport,
+                schedule,
+                arrays,
+                reducer,
+                desc.seq * 2 + sub,
+                desc.signature(),
+                self.settings.timeout,
+                timeline=self.timeline if desc.seq else None,  # #0 is init's barrier, not the user's
+                interrupt=self.stall.interruption if self.stall is not None else None,
+            )
         try:
             executor.run()
         except (FrameMismatch, PeerAborted, PeerFailure, CollectiveTimeout, ProtocolError) as err:

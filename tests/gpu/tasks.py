@@ -1,0 +1,70 @@
+"""Cluster tasks for GPU buffers: each runs on every rank, with the fake device or a real GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ringcore import device
+from ringcore.device.fake import FakeCudaArray, FakeLayer
+
+
+def use_fake(comm: Any, seed: int) -> None:
+    """Make this rank's GPU buffers go through the fake device (before its first GPU buffer)."""
+    device.use(FakeLayer(seed=seed + comm.rank))
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return x.view(f"u{x.itemsize}")
+
+
+def fake_vs_host(comm: Any, cases: list[tuple[list[np.ndarray], bool, str, str | None]]) -> list[Any]:
+    """Each case reduced as a fake GPU buffer and as a host buffer; both results' bits, per case."""
+    out = []
+    for inputs, bfloat16, op, compression in cases:
+        host = inputs[comm.rank].copy()
+        gpu = FakeCudaArray(inputs[comm.rank].copy(), bfloat16=bfloat16)
+        comm.allreduce(gpu, op=op, compression=compression)
+        if bfloat16:  # the host path takes bfloat16 as ml_dtypes or torch; use torch's CPU tensor
+            import torch
+
+            tensor = torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
+            comm.allreduce(tensor, op=op, compression=compression)
+        else:
+            comm.allreduce(host, op=op, compression=compression)
+        out.append((_bits(gpu.data), _bits(host)))
+    return out
+
+
+def fake_broadcast(comm: Any, inputs: list[np.ndarray], root: int) -> np.ndarray:
+    gpu = FakeCudaArray(inputs[comm.rank].copy())
+    comm.broadcast(gpu, root=root)
+    return gpu.data
+
+
+def fake_bad_input(comm: Any, case: str) -> tuple[str, str]:
+    """A bad GPU buffer must fail on the calling rank before anything is sent."""
+    data = np.zeros((4, 4), np.float32)
+    objs = {
+        "read_only": FakeCudaArray(data, read_only=True),
+        "non_contiguous": FakeCudaArray(data[:, ::2]),
+        "bool": FakeCudaArray(np.zeros(4, bool)),
+        "avg_int": FakeCudaArray(np.zeros(4, np.int32)),
+        "allgather": FakeCudaArray(data),
+    }
+    try:
+        if case == "allgather":
+            comm.allgather(objs[case])
+        else:
+            comm.allreduce(objs[case], op="avg" if case == "avg_int" else "sum")
+    except (TypeError, ValueError) as err:
+        return type(err).__name__, str(err)
+    return "none", ""
+
+
+def fake_then_host(comm: Any, count: int) -> float:
+    """After a rejected GPU call the communicator still works."""
+    buf = np.ones(count, np.float32)
+    comm.allreduce(buf)
+    return float(buf[0])

@@ -1,0 +1,103 @@
+"""GPU buffers end to end with the fake device: real processes, real TCP, every op, dtype, compression.
+
+Each rank reduces the same inputs twice, as a (fake) GPU buffer, which takes
+the whole device path (``__cuda_array_interface__`` -> device plans ->
+staged executor with late-running streams -> pinned slots -> TCP), and as a
+host buffer; the two results must be bitwise identical on every rank. The
+``ring`` configuration shrinks segments so a few thousand elements cross
+many segments over two channels; the default one takes recursive doubling.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from tests.cluster import Cluster
+from tests.gpu import tasks
+
+pytestmark = pytest.mark.timeout(300)
+
+RING_ENV = {
+    "RINGCORE_SMALL_BYTES": "256",
+    "RINGCORE_SEGMENT_BYTES": "4K",
+    "RINGCORE_CHANNELS": "2",
+    "RINGCORE_GPU_STAGING_BYTES": "64K",
+}
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+DTYPES = ["float16", "float32", "float64", "bfloat16", "int8", "int32", "int64", "uint16"]
+OPS = ["sum", "avg", "min", "max", "prod"]
+
+
+def make_inputs(size: int, count: int, dtype: str, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if dtype == "bfloat16":
+        values = rng.standard_normal((size, count)).astype(np.float32) * 4
+        values[:, :3] = [np.nan, -0.0, np.inf]
+        return list((values.view(np.uint32) >> 16).astype(np.uint16))
+    if dtype.startswith("float"):
+        values = (rng.standard_normal((size, count)) * 4).astype(dtype)
+        values[:, :3] = [np.nan, -0.0, np.inf]
+        return list(values)
+    info = np.iinfo(dtype)
+    return list(rng.integers(info.min, info.max, (size, count), dtype=dtype, endpoint=True))
+
+
+def cases(size: int, count: int) -> list:
+    out = []
+    for i, dtype in enumerate(DTYPES):
+        if dtype == "bfloat16" and not HAS_TORCH:
+            continue
+        for j, op in enumerate(OPS):
+            floating = dtype.startswith("float") or dtype == "bfloat16"
+            if op == "avg" and not floating:
+                continue
+            for compression in (None, "fp16") if floating else (None,):
+                inputs = make_inputs(size, count, dtype, seed=100 * i + j)
+                out.append((inputs, dtype == "bfloat16", op, compression))
+    return out
+
+
+@pytest.mark.parametrize(("size", "env", "count"), [(2, RING_ENV, 5000), (3, RING_ENV, 3001), (4, {}, 100)])
+def test_gpu_path_equals_host_path(size: int, env: dict, count: int) -> None:
+    with Cluster(size, env=env) as cluster:
+        cluster.results(tasks.use_fake, 11)
+        all_cases = cases(size, count)
+        results = cluster.results(tasks.fake_vs_host, all_cases, timeout=240)
+        for c, (_, bfloat16, op, compression) in enumerate(all_cases):
+            reference = results[0][c][1]
+            for rank in range(size):
+                gpu, host = results[rank][c]
+                label = f"case {c} ({gpu.dtype}, bf16={bfloat16}, {op}, {compression}) rank {rank}"
+                np.testing.assert_array_equal(gpu, host, err_msg=label)
+                np.testing.assert_array_equal(host, reference, err_msg=label)
+
+
+def test_broadcast_every_root() -> None:
+    size = 3
+    with Cluster(size, env=RING_ENV) as cluster:
+        cluster.results(tasks.use_fake, 5)
+        inputs = [np.arange(4000, dtype=np.float64) * (r + 1) for r in range(size)]
+        for root in range(size):
+            for result in cluster.results(tasks.fake_broadcast, inputs, root):
+                np.testing.assert_array_equal(result, inputs[root])
+
+
+@pytest.mark.parametrize(
+    ("case", "error", "words"),
+    [
+        ("read_only", "ValueError", "read-only"),
+        ("non_contiguous", "ValueError", "not contiguous"),
+        ("bool", "TypeError", "bool"),
+        ("avg_int", "ValueError", "avg"),
+        ("allgather", "TypeError", "GPU buffers"),
+    ],
+)
+def test_bad_gpu_buffers_fail_before_sending(case: str, error: str, words: str) -> None:
+    with Cluster(2) as cluster:
+        cluster.results(tasks.use_fake, 0)
+        for name, message in cluster.results(tasks.fake_bad_input, case):
+            assert name == error and words in message, message
+        assert cluster.results(tasks.fake_then_host, 10) == [2.0, 2.0]
