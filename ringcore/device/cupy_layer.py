@@ -32,6 +32,9 @@ class CupyLayer:
     def __init__(self) -> None:
         self.device = cupy.cuda.Device().id
 
+    def context(self) -> Any:
+        return cupy.cuda.Device(self.device)
+
     def wrap(self, buffer: Buffer) -> Any:
         count = buffer.count
         if not count:

@@ -16,6 +16,7 @@ through ``__cuda_array_interface__``, which this layer maps back.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import random
 from collections import deque
@@ -164,6 +165,9 @@ class FakeLayer:
                 self.random.choice(busy).run_one()
 
     # ----------------------------------------------------------------- DeviceLayer
+
+    def context(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
 
     def wrap(self, buffer: Buffer) -> FakeDeviceArray:
         raw = (ctypes.c_byte * buffer.nbytes).from_address(buffer.ptr) if buffer.nbytes else bytearray()

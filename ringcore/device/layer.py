@@ -10,6 +10,7 @@ array, the only memory a transport ever sees.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import numpy as np
@@ -41,6 +42,10 @@ class DeviceReducer(Protocol):
 
 class DeviceLayer(Protocol):
     name: str
+
+    def context(self) -> AbstractContextManager[Any]:
+        """Makes the layer's GPU current in this thread (async collectives run on another thread)."""
+        ...
 
     def wrap(self, buffer: Buffer) -> DeviceArray:
         """A flat device array over a ``device="cuda"`` buffer's memory (no copy)."""

@@ -64,31 +64,33 @@ def allreduce(comm: Communicator, desc: Descriptor, buffer: Buffer, op: ReduceOp
     from ringcore.collectives import allreduce_schedule
 
     ctx = comm.device_context()
-    user = ctx.layer.wrap(buffer)
-    ctx.layer.after_producer(ctx.staging.compute, buffer)
-    reducer = ctx.reducer(buffer.dtype, op, comp)
-    in_place = reducer.wire_dtype == buffer.dtype.storage
-    schedule = allreduce_schedule(comm, buffer.count, reducer.wire_dtype.itemsize, in_place)
-    arrays = ctx.scratch_arrays(schedule, user, reducer.wire_dtype)
-    if schedule.prefill_work:
-        reducer.convert(arrays[Buf.WORK], user)
-    comm.execute(desc, schedule, arrays, reducer, staging=ctx.staging)
-    if schedule.result is not None and schedule.result.buf != Buf.USER:
-        reducer.convert(user, arrays[Buf.WORK])
-    ctx.layer.synchronize(ctx.staging.compute)
+    with ctx.layer.context():
+        user = ctx.layer.wrap(buffer)
+        ctx.layer.after_producer(ctx.staging.compute, buffer)
+        reducer = ctx.reducer(buffer.dtype, op, comp)
+        in_place = reducer.wire_dtype == buffer.dtype.storage
+        schedule = allreduce_schedule(comm, buffer.count, reducer.wire_dtype.itemsize, in_place)
+        arrays = ctx.scratch_arrays(schedule, user, reducer.wire_dtype)
+        if schedule.prefill_work:
+            reducer.convert(arrays[Buf.WORK], user)
+        comm.execute(desc, schedule, arrays, reducer, staging=ctx.staging)
+        if schedule.result is not None and schedule.result.buf != Buf.USER:
+            reducer.convert(user, arrays[Buf.WORK])
+        ctx.layer.synchronize(ctx.staging.compute)
 
 
 def broadcast(comm: Communicator, desc: Descriptor, buffer: Buffer, root: int) -> None:
     """In-place broadcast of a device buffer from ``root`` (``comm.size > 1``)."""
     ctx = comm.device_context()
-    user = ctx.layer.wrap(buffer)
-    ctx.layer.after_producer(ctx.staging.compute, buffer)
-    reducer = ctx.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
-    schedule = chain.broadcast(
-        comm.rank, comm.size, root, buffer.count, buffer.dtype.itemsize, comm.settings.segment_bytes
-    )
-    arrays = ctx.scratch_arrays(schedule, user, buffer.dtype.storage)
-    comm.execute(desc, schedule, arrays, reducer, staging=ctx.staging)
-    if schedule.result is not None:
-        ctx.layer.copy(user, arrays[Buf.WORK], ctx.staging.compute)
-    ctx.layer.synchronize(ctx.staging.compute)
+    with ctx.layer.context():
+        user = ctx.layer.wrap(buffer)
+        ctx.layer.after_producer(ctx.staging.compute, buffer)
+        reducer = ctx.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
+        schedule = chain.broadcast(
+            comm.rank, comm.size, root, buffer.count, buffer.dtype.itemsize, comm.settings.segment_bytes
+        )
+        arrays = ctx.scratch_arrays(schedule, user, buffer.dtype.storage)
+        comm.execute(desc, schedule, arrays, reducer, staging=ctx.staging)
+        if schedule.result is not None:
+            ctx.layer.copy(user, arrays[Buf.WORK], ctx.staging.compute)
+        ctx.layer.synchronize(ctx.staging.compute)

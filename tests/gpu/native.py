@@ -85,3 +85,37 @@ def nvcc_compile(arch: str, names: tuple[str, ...], out: pathlib.Path) -> subpro
     options = [opt.replace("--fmad", "-fmad") for opt in cuda_source.COMPILE_OPTIONS]
     cmd = [compiler, "-cubin", f"-arch={arch}", *options, "-o", str(out), str(src)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def nvrtc_unavailable() -> str | None:
+    """Why CuPy's NVRTC cannot compile here (no GPU needed), or None when it can."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as err:  # not installed, or libnvrtc not found
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
+
+
+def nvrtc_compile(arch: str, names: tuple[str, ...]) -> tuple[bytes, list[str]]:
+    """Compile through NVRTC with name expressions, as ``cupy.RawModule`` does; the cubin and lowered names.
+
+    Raises:
+        RuntimeError: the compile failed (the message holds NVRTC's log).
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(cuda_source.source(), "reduce.cu", [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, [*cuda_source.COMPILE_OPTIONS, f"--gpu-architecture={arch}"])
+        except nvrtc.NVRTCError as err:
+            raise RuntimeError(
+                f"NVRTC failed for {arch}: {err}\n{nvrtc.getProgramLog(program)[-4000:]}"
+            ) from None
+        return nvrtc.getCUBIN(program), [nvrtc.getLoweredName(program, name) for name in names]
+    finally:
+        nvrtc.destroyProgram(program)

@@ -68,3 +68,43 @@ def fake_then_host(comm: Any, count: int) -> float:
     buf = np.ones(count, np.float32)
     comm.allreduce(buf)
     return float(buf[0])
+
+
+def real_vs_host(
+    comm: Any, cases: list[tuple[list[np.ndarray], bool, str, str | None]], kind: str
+) -> list[Any]:
+    """As :func:`fake_vs_host` with real GPU buffers: ``kind`` is ``"cupy"`` or ``"torch"``."""
+    import cupy
+
+    out = []
+    for inputs, bfloat16, op, compression in cases:
+        x = inputs[comm.rank]
+        use_torch = bfloat16 or (kind == "torch" and x.dtype != np.uint16)  # torch: no uint16 interface
+        if use_torch:
+            import torch
+
+            gpu = torch.from_numpy(x.view(np.int16) if bfloat16 else x.copy()).cuda()
+            gpu = gpu.view(torch.bfloat16) if bfloat16 else gpu
+        else:
+            gpu = cupy.asarray(x)
+        comm.allreduce(gpu, op=op, compression=compression)
+        if use_torch:
+            gpu_bits = gpu.view(torch.int16).cpu().numpy() if bfloat16 else gpu.cpu().numpy()
+        else:
+            gpu_bits = cupy.asnumpy(gpu)
+        host = x.copy()
+        if bfloat16:
+            tensor = torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
+            comm.allreduce(tensor, op=op, compression=compression)
+        else:
+            comm.allreduce(host, op=op, compression=compression)
+        out.append((_bits(np.ascontiguousarray(gpu_bits)), _bits(host)))
+    return out
+
+
+def real_broadcast(comm: Any, inputs: list[np.ndarray], root: int) -> np.ndarray:
+    import cupy
+
+    gpu = cupy.asarray(inputs[comm.rank])
+    comm.broadcast(gpu, root=root)
+    return cupy.asnumpy(gpu)

@@ -1,11 +1,12 @@
-"""The staged executor with the fake device, every rank a thread over the zero-capacity loopback.
+"""The staged executor, every rank a thread over the zero-capacity loopback: fake device and real GPU.
 
 The fake device runs queued copies and kernels late and in a seeded random
 order (see :mod:`ringcore.device.fake`), so a send posted before its
 download finished, a slot reused too early, or a combine racing a copy gives
 wrong bytes. Results must equal the host executor's bit for bit, for the
 ring (several segments per chunk, 1-3 channels), recursive doubling and
-broadcast; staging memory must stay bounded by the staging size.
+broadcast; staging memory must stay bounded by the staging size. The same
+tests run against the CuPy layer where a GPU is available.
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ from ringcore.algo import recursive_doubling, ring
 from ringcore.algo.execute import Executor
 from ringcore.algo.steps import Buf
 from ringcore.buffers import DTYPES
-from ringcore.device.fake import FakeDeviceArray, FakeLayer
+from ringcore.device.fake import FakeDeviceArray
 from ringcore.device.staging import StagedExecutor, Staging
 from ringcore.errors import CollectiveTimeout
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
 from ringcore.transport.loopback import LoopbackNetwork
+from tests.gpu.gpu import make_layer, to_device, to_host
 from tests.unit.test_executor import RUN_TIMEOUT, SIGNATURE, run_ranks, scratch_arrays
 
 pytestmark = pytest.mark.timeout(120)
+LAYERS = ["fake", pytest.param("cupy", marks=pytest.mark.gpu)]
 
 
 def inputs(size: int, count: int, dtype: str, seed: int) -> list[np.ndarray]:
@@ -74,15 +77,14 @@ def _schedule(algo: str, rank: int, size: int, count: int, itemsize: int, segmen
     return recursive_doubling.allreduce(rank, size, count, itemsize, segment)
 
 
-def staged_allreduce(values, dtype, op, comp, algo, segment, channels, staging_bytes=64 << 10):
+def staged_allreduce(kind, values, dtype, op, comp, algo, segment, channels, staging_bytes=64 << 10):
     size = len(values)
-    layers = [FakeLayer(seed=rank + 17) for rank in range(size)]
+    layers = [make_layer(kind, seed=rank + 17) for rank in range(size)]
 
     def body(rank: int, network: LoopbackNetwork) -> np.ndarray:
         layer = layers[rank]
         staging = Staging(layer, staging_bytes)
-        user = layer.empty(values[rank].size, values[rank].dtype)
-        user.host[:] = values[rank]
+        user = to_device(layer, values[rank])
         reducer = layer.reducer(DTYPES[dtype], op, comp, size, staging.compute)
         in_place = reducer.wire_dtype == user.dtype
         schedule = _schedule(algo, rank, size, user.size, reducer.wire_dtype.itemsize, segment, in_place)
@@ -97,8 +99,8 @@ def staged_allreduce(values, dtype, op, comp, algo, segment, channels, staging_b
         if schedule.result is not None and schedule.result.buf != Buf.USER:
             reducer.convert(user, arrays[Buf.WORK])
         layer.synchronize(staging.compute)
-        assert not any(s.pending for s in layer.streams)
-        return user.host.copy(), layer.pinned_bytes
+        assert not any(s.pending for s in getattr(layer, "streams", ()))
+        return to_host(user), getattr(layer, "pinned_bytes", 0)
 
     out = run_ranks(size, body, channels)
     return [o[0] for o in out], [o[1] for o in out]
@@ -116,14 +118,15 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("kind", LAYERS)
 @pytest.mark.parametrize(("dtype", "op", "comp"), CASES)
 @pytest.mark.parametrize(("size", "channels"), [(2, 1), (3, 2), (4, 3)])
 def test_ring_staged_equals_host(
-    dtype: str, op: ReduceOp, comp: Compression, size: int, channels: int
+    kind: str, dtype: str, op: ReduceOp, comp: Compression, size: int, channels: int
 ) -> None:
     values = inputs(size, 1003, dtype, seed=size)
     want = host_allreduce(values, dtype, op, comp, "ring", 256, channels)
-    got, pinned = staged_allreduce(values, dtype, op, comp, "ring", 256, channels, staging_bytes=1024)
+    got, pinned = staged_allreduce(kind, values, dtype, op, comp, "ring", 256, channels, staging_bytes=1024)
     for rank in range(size):
         np.testing.assert_array_equal(
             got[rank].view(f"u{got[rank].itemsize}"), want[rank].view(f"u{want[rank].itemsize}")
@@ -132,32 +135,33 @@ def test_ring_staged_equals_host(
     assert max(pinned) <= 2 * channels * 1024
 
 
+@pytest.mark.parametrize("kind", LAYERS)
 @pytest.mark.parametrize(("dtype", "op", "comp"), CASES[:4])
 @pytest.mark.parametrize("size", [2, 3, 5])
 def test_recursive_doubling_staged_equals_host(
-    dtype: str, op: ReduceOp, comp: Compression, size: int
+    kind: str, dtype: str, op: ReduceOp, comp: Compression, size: int
 ) -> None:
     values = inputs(size, 37, dtype, seed=size + 7)
     want = host_allreduce(values, dtype, op, comp, "recursive_doubling", 1 << 20, 1)
-    got, _ = staged_allreduce(values, dtype, op, comp, "recursive_doubling", 1 << 20, 1)
+    got, _ = staged_allreduce(kind, values, dtype, op, comp, "recursive_doubling", 1 << 20, 1)
     for rank in range(size):
         np.testing.assert_array_equal(
             got[rank].view(f"u{got[rank].itemsize}"), want[rank].view(f"u{want[rank].itemsize}")
         )
 
 
+@pytest.mark.parametrize("kind", LAYERS)
 @pytest.mark.parametrize("size", [2, 3, 4])
-def test_broadcast_staged(size: int) -> None:
+def test_broadcast_staged(kind: str, size: int) -> None:
     root = size - 1
     count = 777
-    layers = [FakeLayer(seed=rank) for rank in range(size)]
+    layers = [make_layer(kind, seed=rank) for rank in range(size)]
     source = np.arange(count, dtype=np.float32) * 1.5
 
     def body(rank: int, network: LoopbackNetwork) -> np.ndarray:
         layer = layers[rank]
         staging = Staging(layer, 4096)
-        user = layer.empty(count, np.dtype(np.float32))
-        user.host[:] = source if rank == root else -1
+        user = to_device(layer, source if rank == root else np.full(count, -1, np.float32))
         schedule = chain.broadcast(rank, size, root, count, 4, 512)
         arrays = {Buf.USER: user, Buf.WORK: layer.empty(count, np.dtype(np.float32))}
         reducer = layer.reducer(DTYPES["float32"], ReduceOp.SUM, Compression.NONE, size, staging.compute)
@@ -167,26 +171,26 @@ def test_broadcast_staged(size: int) -> None:
         if schedule.result is not None:
             layer.copy(user, arrays[Buf.WORK], staging.compute)
         layer.synchronize(staging.compute)
-        return user.host.copy()
+        return to_host(user)
 
     for result in run_ranks(size, body):
         np.testing.assert_array_equal(result, source)
 
 
-def test_failure_restores_the_device_buffer() -> None:
+@pytest.mark.parametrize("kind", LAYERS)
+def test_failure_restores_the_device_buffer(kind: str) -> None:
     """A rank that never shows up: the in-place ring times out and puts the caller's values back."""
-    layer = FakeLayer(seed=3)
+    layer = make_layer(kind, seed=3)
     network = LoopbackNetwork(2, 1)
     staging = Staging(layer, 1024)
     original = np.arange(100, dtype=np.float32)
-    user = layer.empty(100, np.dtype(np.float32))
-    user.host[:] = original
+    user = to_device(layer, original)
     reducer = layer.reducer(DTYPES["float32"], ReduceOp.SUM, Compression.NONE, 2, staging.compute)
     schedule = ring.allreduce(0, 2, 100, 4, 64, True)
     arrays = {Buf.USER: user, Buf.WORK: layer.empty(100, np.dtype(np.float32))}
     with pytest.raises(CollectiveTimeout):
         StagedExecutor(network.transport(0), schedule, arrays, reducer, 1, SIGNATURE, 0.5, staging).run()
-    np.testing.assert_array_equal(user.host, original)
+    np.testing.assert_array_equal(to_host(user), original)
 
 
 def test_fake_device_array_is_not_host_memory() -> None:
