@@ -787,3 +787,24 @@ def timeline_job(comm: Any) -> int:
     for handle in handles:
         handle.wait(30)
     return 9
+
+
+# ---------------------------------------------------------------------------- RDMA
+
+
+def transport_report(comm: Any) -> dict[str, Any]:
+    """Which transport this rank runs on, and its registration count so far."""
+    transport = comm.transport
+    cache = getattr(transport, "cache", None)
+    return {"transport": type(transport).__name__, "registrations": getattr(cache, "registrations", None)}
+
+
+def repeated_allreduce(comm: Any, count: int, rounds: int) -> dict[str, Any]:
+    """Allreduce the same array ``rounds`` times; report registrations before and after the repeats."""
+    buf = np.full(count, comm.rank + 1, np.float32)
+    comm.allreduce(buf)
+    first = comm.transport.cache.registrations
+    for _ in range(rounds):
+        comm.allreduce(buf)
+    expected = (comm.size * (comm.size + 1) // 2) * comm.size**rounds
+    return {"first": first, "after": comm.transport.cache.registrations, "ok": bool((buf == expected).all())}

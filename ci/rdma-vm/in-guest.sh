@@ -1,0 +1,39 @@
+#!/bin/bash
+# Runs inside the Soft-RoCE guest (started by run-tests.sh): the RDMA test suites, then
+# ringcore-bench over ibverbs and over TCP side by side. Argument: the venv's python.
+set -uo pipefail
+PY="$1"
+BIN="$(dirname "$PY")"
+OUT="${RINGCORE_RDMA_OUT:?}"
+export PATH="$BIN:$PATH" PYTHONDONTWRITEBYTECODE=1
+PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rs)
+rc=0
+: > "$OUT/summary.txt"
+
+step() {  # step NAME COMMAND...: run, time, and record the outcome
+    local name="$1" start=$SECONDS status
+    shift
+    echo "=== [$name] $*"
+    "$@" 2>&1 | tee "$OUT/$name.log"
+    status=${PIPESTATUS[0]}
+    printf '%-12s rc=%s  %4ss  %s\n' "$name" "$status" "$(( SECONDS - start ))" \
+        "$(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/$name.log" | tail -1)" >> "$OUT/summary.txt"
+    [ "$status" = 0 ] || rc=1
+}
+
+ibv_devinfo -d rxe0 | grep -E 'state|active_mtu' || true
+step conformance "${PYTEST[@]}" tests/conformance -k ibverbs
+step rdma-jobs "${PYTEST[@]}" tests/rdma
+if [ "${RDMA_VM_QUICK:-0}" != 1 ]; then
+    step property env RINGCORE_TRANSPORT=ibverbs RINGCORE_TEST_EXAMPLES=4 \
+        "${PYTEST[@]}" tests/property -k "n2 or n3 or n4 or ring3"
+    step integration env RINGCORE_TRANSPORT=ibverbs \
+        "${PYTEST[@]}" tests/integration/test_failures.py tests/integration/test_bad_input.py
+    for transport in ibverbs tcp ibverbs tcp; do
+        step "bench-$transport" env RINGCORE_TRANSPORT="$transport" \
+            ringcore-bench --np 2 -b 64K -e 4M -f 4 -n 5 -w 2 -c 1 --json "$OUT/bench-$transport-$SECONDS.json"
+    done
+fi
+echo "=== summary"
+cat "$OUT/summary.txt"
+exit "$rc"
