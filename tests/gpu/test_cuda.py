@@ -89,12 +89,17 @@ def test_convert_kernels_bitwise_equal_numpy(name: str) -> None:
         assert np.array_equal(_bits(want), _bits(cupy.asnumpy(got))), f"{dst_t} <- {src_t} offset {offset}"
 
 
-@pytest.mark.parametrize(
-    "kind", ["cupy", pytest.param("torch", marks=pytest.mark.skipif(not HAS_TORCH_CUDA, reason="no torch"))]
-)
-@pytest.mark.parametrize(
-    ("size", "env", "count"), [(2, RING_ENV, 5000), (3, RING_ENV, 3001), (4, {}, 100), (4, RING_ENV, 20000)]
-)
+CONFIGS = [
+    ("cupy", 2, RING_ENV, 5000),
+    ("cupy", 3, RING_ENV, 3001),
+    ("cupy", 4, {}, 100),
+    ("cupy", 4, RING_ENV, 20000),
+    pytest.param("torch", 2, RING_ENV, 5000, marks=pytest.mark.skipif(not HAS_TORCH_CUDA, reason="no torch")),
+    pytest.param("torch", 4, {}, 100, marks=pytest.mark.skipif(not HAS_TORCH_CUDA, reason="no torch")),
+]
+
+
+@pytest.mark.parametrize(("kind", "size", "env", "count"), CONFIGS)
 def test_gpu_buffers_equal_host_path(kind: str, size: int, env: dict, count: int) -> None:
     with Cluster(size, env=env) as cluster:
         all_cases = cases(size, count)
