@@ -111,7 +111,9 @@ def nvrtc_compile(arch: str, names: tuple[str, ...]) -> tuple[bytes, list[str]]:
         for name in names:
             nvrtc.addNameExpression(program, name)
         try:
-            nvrtc.compileProgram(program, [*cuda_source.COMPILE_OPTIONS, f"--gpu-architecture={arch}"])
+            # CuPy adds -ftz=true to every compile; so does this, to build what CuPy builds
+            options = [*cuda_source.COMPILE_OPTIONS, "-ftz=true", f"--gpu-architecture={arch}"]
+            nvrtc.compileProgram(program, options)
         except nvrtc.NVRTCError as err:
             raise RuntimeError(
                 f"NVRTC failed for {arch}: {err}\n{nvrtc.getProgramLog(program)[-4000:]}"

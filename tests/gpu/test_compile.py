@@ -9,6 +9,7 @@ compile with any compiler that is there; it skips only when neither is.
 from __future__ import annotations
 
 import pathlib
+import subprocess
 
 import pytest
 
@@ -44,3 +45,32 @@ def test_instantiations_cover_every_collective() -> None:
     assert "rc_convert<rc_f16, rc_bf16, float>" in names  # bfloat16 -> fp16 compression
     assert "rc_combine<rc_i64, rc_i64, rc_i64, rc_i64, rc_i64, 1>" in names
     assert all(name.count("<") == 1 for name in names)
+
+
+@pytest.mark.timeout(600)
+def test_kernels_never_flush_subnormals(tmp_path: pathlib.Path) -> None:
+    """CuPy compiles with -ftz=true; the kernels must still keep subnormals, as numpy does."""
+    if native.nvcc() is None:
+        pytest.skip("no nvcc to read the kernels' PTX")
+    src = tmp_path / "reduce.cu"
+    src.write_text(
+        cuda_source.source() + cuda_source.explicit_instantiations(cuda_source.all_instantiations())
+    )
+    ptx = tmp_path / "reduce.ptx"
+    cmd = [
+        native.nvcc(),
+        "-ptx",
+        "-arch=sm_90",
+        "-std=c++17",
+        "-fmad=false",
+        "-ftz=true",
+        "-o",
+        str(ptx),
+        str(src),
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    flushing = [line.strip() for line in ptx.read_text().splitlines() if ".ftz" in line]
+    assert not flushing, f"{len(flushing)} instructions flush subnormals, e.g. {flushing[:5]}"
+    fused = [line.strip() for line in ptx.read_text().splitlines() if line.strip().startswith("fma.")]
+    assert not fused, f"fused multiply-adds: {fused[:5]}"

@@ -115,7 +115,13 @@ RC_FN double f16_to_f64(rc_f16 h) {
         rc_u64 sign = (rc_u64)(h.bits & 0x8000u) << 48;
         return bits_f64(sign | 0x7ff0000000000000ull | ((rc_u64)(h.bits & 0x3ffu) << 42));
     }
+#ifdef __CUDA_ARCH__
+    double out;
+    asm("cvt.f64.f16 %0, %1;" : "=d"(out) : "h"(h.bits));
+    return out;
+#else
     return (double)f16_to_f32(h);  // exact
+#endif
 }
 
 // NaN -> float16 as numpy does: the payload's top bits, kept non-zero.
@@ -216,18 +222,70 @@ template <> struct Cast<rc_bf16> {
     template <class From> static RC_FN rc_bf16 from(From x) { return f32_to_bf16(Cast<float>::from(x)); }
 };
 
+// ----------------------------------------------------------------- IEEE arithmetic
+// CuPy compiles with -ftz=true (flush subnormals to zero), which numpy never does. On the
+// device every float32/float64 operation is therefore written as PTX without .ftz (and
+// with an explicit rounding mode, so nothing is fused into a multiply-add).
+
+#ifdef __CUDA_ARCH__
+#define RC_BINARY(name, type, ptx, reg)                                                  \
+    RC_FN type name(type a, type b) {                                                  \
+        type r;                                                                        \
+        asm(ptx " %0, %1, %2;" : "=" reg(r) : reg(a), reg(b));                         \
+        return r;                                                                      \
+    }
+#define RC_COMPARE(name, type, ptx, reg)                                                 \
+    RC_FN bool name(type a, type b) {                                                  \
+        unsigned r;                                                                    \
+        asm("{ .reg .pred p; " ptx " p, %1, %2; selp.u32 %0, 1, 0, p; }"               \
+            : "=r"(r) : reg(a), reg(b));                                               \
+        return r != 0;                                                                 \
+    }
+RC_BINARY(add32, float, "add.rn.f32", "f")
+RC_BINARY(mul32, float, "mul.rn.f32", "f")
+RC_BINARY(div32, float, "div.rn.f32", "f")
+RC_BINARY(add64, double, "add.rn.f64", "d")
+RC_BINARY(mul64, double, "mul.rn.f64", "d")
+RC_BINARY(div64, double, "div.rn.f64", "d")
+RC_COMPARE(lt32, float, "setp.lt.f32", "f")
+RC_COMPARE(gt32, float, "setp.gt.f32", "f")
+RC_COMPARE(le32, float, "setp.le.f32", "f")
+RC_COMPARE(ge32, float, "setp.ge.f32", "f")
+RC_COMPARE(lt64, double, "setp.lt.f64", "d")
+RC_COMPARE(gt64, double, "setp.gt.f64", "d")
+RC_FN float narrow32(double x) {
+    float r;
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x));
+    return r;
+}
+#else
+inline float narrow32(double x) { return (float)x; }
+inline float add32(float a, float b) { return a + b; }
+inline float mul32(float a, float b) { return a * b; }
+inline float div32(float a, float b) { return a / b; }
+inline double add64(double a, double b) { return a + b; }
+inline double mul64(double a, double b) { return a * b; }
+inline double div64(double a, double b) { return a / b; }
+inline bool lt32(float a, float b) { return a < b; }
+inline bool gt32(float a, float b) { return a > b; }
+inline bool le32(float a, float b) { return a <= b; }
+inline bool ge32(float a, float b) { return a >= b; }
+inline bool lt64(double a, double b) { return a < b; }
+inline bool gt64(double a, double b) { return a > b; }
+#endif
+
 // ----------------------------------------------------------------- operations
 
 RC_FN float arith32(int op, float a, float b) {
     if (nan32(a)) return quiet32(a);
     if (nan32(b)) return quiet32(b);
-    float r = op == RC_SUM ? a + b : a * b;
+    float r = op == RC_SUM ? add32(a, b) : mul32(a, b);
     return nan32(r) ? bits_f32(RC_DEFAULT_NAN32) : r;
 }
 RC_FN double arith64(int op, double a, double b) {
     if (nan64(a)) return quiet64(a);
     if (nan64(b)) return quiet64(b);
-    double r = op == RC_SUM ? a + b : a * b;
+    double r = op == RC_SUM ? add64(a, b) : mul64(a, b);
     return nan64(r) ? bits_f64(RC_DEFAULT_NAN64) : r;
 }
 
@@ -246,27 +304,27 @@ template <int OP> struct ArithOp {
 template <> struct Op<RC_SUM> : ArithOp<RC_SUM> {};
 template <> struct Op<RC_PROD> : ArithOp<RC_PROD> {};
 template <> struct Op<RC_MIN> {
-    static RC_FN float apply(float a, float b) { return (a < b || nan32(a)) ? a : b; }
-    static RC_FN double apply(double a, double b) { return (a < b || nan64(a)) ? a : b; }
+    static RC_FN float apply(float a, float b) { return (lt32(a, b) || nan32(a)) ? a : b; }
+    static RC_FN double apply(double a, double b) { return (lt64(a, b) || nan64(a)) ? a : b; }
     static RC_FN rc_f16 apply(rc_f16 a, rc_f16 b) {
-        return (f16_to_f32(a) <= f16_to_f32(b) || nan16(a)) ? a : b;
+        return (le32(f16_to_f32(a), f16_to_f32(b)) || nan16(a)) ? a : b;
     }
     template <class T> static RC_FN T apply(T a, T b) { return a < b ? a : b; }
 };
 template <> struct Op<RC_MAX> {
-    static RC_FN float apply(float a, float b) { return (a > b || nan32(a)) ? a : b; }
-    static RC_FN double apply(double a, double b) { return (a > b || nan64(a)) ? a : b; }
+    static RC_FN float apply(float a, float b) { return (gt32(a, b) || nan32(a)) ? a : b; }
+    static RC_FN double apply(double a, double b) { return (gt64(a, b) || nan64(a)) ? a : b; }
     static RC_FN rc_f16 apply(rc_f16 a, rc_f16 b) {
-        return (f16_to_f32(a) >= f16_to_f32(b) || nan16(a)) ? a : b;
+        return (ge32(f16_to_f32(a), f16_to_f32(b)) || nan16(a)) ? a : b;
     }
     template <class T> static RC_FN T apply(T a, T b) { return a > b ? a : b; }
 };
 
 // avg's final division by the world size, in the accumulator type.
-RC_FN float scale_by(float x, double world) { return nan32(x) ? quiet32(x) : x / (float)world; }
-RC_FN double scale_by(double x, double world) { return nan64(x) ? quiet64(x) : x / world; }
+RC_FN float scale_by(float x, double world) { return nan32(x) ? quiet32(x) : div32(x, narrow32(world)); }
+RC_FN double scale_by(double x, double world) { return nan64(x) ? quiet64(x) : div64(x, world); }
 RC_FN rc_f16 scale_by(rc_f16 x, double world) {
-    return f32_to_f16(scale_by(f16_to_f32(x), (double)f16_to_f32(f32_to_f16((float)world))));
+    return f32_to_f16(scale_by(f16_to_f32(x), f16_to_f64(f32_to_f16(narrow32(world)))));
 }
 template <class T> RC_FN T scale_by(T x, double) { return x; }  // integers: avg is refused earlier
 
