@@ -2,9 +2,9 @@
 
 Device arrays are CuPy arrays; a caller's buffer is wrapped without a copy
 (``UnownedMemory`` over its pointer, keeping the caller's object alive).
-Everything runs on the GPU that is current when the communicator first sees
-a GPU buffer (``cupy.cuda.Device(i).use()`` or ``torch.cuda.set_device(i)``
-before that); a buffer on another GPU is refused.
+Everything runs on the GPU of the first GPU buffer the process reduces (found
+from its pointer, so an async collective on another thread uses it too); a
+later buffer on another GPU is refused: one GPU per process, as with NCCL.
 """
 
 from __future__ import annotations
@@ -30,29 +30,31 @@ class CupyLayer:
     name = "cupy"
 
     def __init__(self) -> None:
-        self.device = cupy.cuda.Device().id
+        self.device: int | None = None  # the GPU of the first buffer wrapped
 
     def context(self) -> Any:
-        return cupy.cuda.Device(self.device)
+        return cupy.cuda.Device(cupy.cuda.Device().id if self.device is None else self.device)
 
     def wrap(self, buffer: Buffer) -> Any:
         count = buffer.count
         if not count:
             return cupy.empty(0, buffer.dtype.storage)
-        where = cupy.cuda.runtime.pointerGetAttributes(buffer.ptr).device
-        if where != self.device:
+        where = int(cupy.cuda.runtime.pointerGetAttributes(buffer.ptr).device)
+        if self.device is None:
+            self.device = where
+        elif where != self.device:
             raise ValueError(
-                f"the buffer is on GPU {where} but ringcore uses GPU {self.device} in this process; "
-                "select the GPU before the first collective (cupy.cuda.Device(i).use())"
+                f"the buffer is on GPU {where} but this process's earlier GPU buffers were on GPU "
+                f"{self.device}; ringcore uses one GPU per process"
             )
-        memory = cupy.cuda.UnownedMemory(buffer.ptr, buffer.nbytes, buffer.owner, self.device)
+        memory = cupy.cuda.UnownedMemory(buffer.ptr, buffer.nbytes, buffer.owner, where)
         return cupy.ndarray((count,), buffer.dtype.storage, cupy.cuda.MemoryPointer(memory, 0))
 
     def from_dlpack(self, obj: Any) -> Any:
         return cupy.from_dlpack(obj)
 
     def empty(self, count: int, dtype: np.dtype) -> Any:
-        with cupy.cuda.Device(self.device):
+        with self.context():
             return cupy.empty(count, dtype)
 
     def pinned(self, nbytes: int) -> np.ndarray:
@@ -60,7 +62,7 @@ class CupyLayer:
         return np.frombuffer(memory, np.uint8, nbytes)  # the array keeps the allocation alive
 
     def stream(self) -> Any:
-        with cupy.cuda.Device(self.device):
+        with self.context():
             return cupy.cuda.Stream(non_blocking=True)
 
     def after_producer(self, stream: Any, buffer: Buffer) -> None:
@@ -96,7 +98,7 @@ class CupyLayer:
     def reducer(self, dtype: DType, op: ReduceOp, compression: Compression, world: int, stream: Any) -> Any:
         from ringcore.kernels.cupy_ops import CudaReducer
 
-        with cupy.cuda.Device(self.device):
+        with self.context():
             return CudaReducer(dtype, op, compression, world, stream)
 
 

@@ -33,10 +33,18 @@ class DeviceContext:
 
     def __init__(self, staging_bytes: int, world: int) -> None:
         self.layer = device.layer()
-        self.staging = Staging(self.layer, staging_bytes)
+        self.staging_bytes = staging_bytes
         self.world = world
+        self._staging: Staging | None = None
         self._reducers: dict[tuple[str, ReduceOp, Compression], DeviceReducer] = {}
         self._scratch: dict[Buf, DeviceArray] = {}
+
+    @property
+    def staging(self) -> Staging:
+        """Streams and pinned slots, made on first use (after a buffer told the layer its GPU)."""
+        if self._staging is None:
+            self._staging = Staging(self.layer, self.staging_bytes)
+        return self._staging
 
     def reducer(self, dtype: DType, op: ReduceOp, compression: Compression) -> DeviceReducer:
         key = (dtype.name, op, compression)
@@ -64,8 +72,8 @@ def allreduce(comm: Communicator, desc: Descriptor, buffer: Buffer, op: ReduceOp
     from ringcore.collectives import allreduce_schedule
 
     ctx = comm.device_context()
+    user = ctx.layer.wrap(buffer)  # first: it tells the layer which GPU this process uses
     with ctx.layer.context():
-        user = ctx.layer.wrap(buffer)
         ctx.layer.after_producer(ctx.staging.compute, buffer)
         reducer = ctx.reducer(buffer.dtype, op, comp)
         in_place = reducer.wire_dtype == buffer.dtype.storage
@@ -82,8 +90,8 @@ def allreduce(comm: Communicator, desc: Descriptor, buffer: Buffer, op: ReduceOp
 def broadcast(comm: Communicator, desc: Descriptor, buffer: Buffer, root: int) -> None:
     """In-place broadcast of a device buffer from ``root`` (``comm.size > 1``)."""
     ctx = comm.device_context()
+    user = ctx.layer.wrap(buffer)  # first: it tells the layer which GPU this process uses
     with ctx.layer.context():
-        user = ctx.layer.wrap(buffer)
         ctx.layer.after_producer(ctx.staging.compute, buffer)
         reducer = ctx.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
         schedule = chain.broadcast(

@@ -22,6 +22,8 @@ ends by waiting for both streams: when it returns, the result is in device
 memory. On failure the transport is cancelled, the streams drained, and the
 caller's regions saved before in-place writes are put back, as on the host.
 
+The timeline records the collective, not its steps, for device buffers.
+
 Slots are per connection and direction (so a connection never waits for a
 slot another one holds: no new deadlock), at least two each (double
 buffering), all carved from one pinned arena per communicator.
