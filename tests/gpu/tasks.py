@@ -108,3 +108,11 @@ def real_broadcast(comm: Any, inputs: list[np.ndarray], root: int) -> np.ndarray
     gpu = cupy.asarray(inputs[comm.rank])
     comm.broadcast(gpu, root=root)
     return cupy.asnumpy(gpu)
+
+
+def mixed_ring(comm: Any, inputs: list[np.ndarray], op: str, compression: str | None) -> np.ndarray:
+    """Odd ranks pass a (fake) GPU buffer, even ranks a host one, in the same collective."""
+    x = inputs[comm.rank].copy()
+    buf = FakeCudaArray(x) if comm.rank % 2 else x
+    comm.allreduce(buf, op=op, compression=compression)
+    return _bits(x)

@@ -15,6 +15,7 @@ import importlib.util
 import numpy as np
 import pytest
 
+from tests import tasks as host_tasks
 from tests.cluster import Cluster
 from tests.gpu import tasks
 
@@ -101,3 +102,16 @@ def test_bad_gpu_buffers_fail_before_sending(case: str, error: str, words: str) 
         for name, message in cluster.results(tasks.fake_bad_input, case):
             assert name == error and words in message, message
         assert cluster.results(tasks.fake_then_host, 10) == [2.0, 2.0]
+
+
+def test_mixed_ring_of_host_and_gpu_ranks_agrees() -> None:
+    size = 3
+    rng = np.random.default_rng(9)
+    inputs = list((rng.standard_normal((size, 6000)) * 3).astype(np.float32))
+    with Cluster(size, env=RING_ENV) as cluster:
+        cluster.results(tasks.use_fake, 2)
+        for op, compression in (("sum", None), ("avg", "fp16"), ("max", "fp16")):
+            results = cluster.results(tasks.mixed_ring, inputs, op, compression)
+            host = cluster.results(host_tasks.allreduce, inputs, op, compression)  # every rank on the host
+            for result in results:
+                np.testing.assert_array_equal(result, host[0].view(np.uint32), err_msg=f"{op} {compression}")

@@ -126,6 +126,29 @@ def test_gpu_buffers_are_described_not_touched() -> None:
     assert as_buffer(FakeCuda(strides=(8, 4), shape=(3, 2)), writable=False).count == 6  # C order
 
 
+def test_cuda_dlpack_goes_through_the_device_layer() -> None:
+    from ringcore import device
+    from ringcore.device.fake import FakeLayer
+
+    class CudaDLPack:  # a CUDA-only DLPack producer (its bytes are host memory, for the fake layer)
+        def __init__(self, data: np.ndarray) -> None:
+            self.data = data
+
+        def __dlpack__(self, **kwargs: object) -> object:
+            return self.data.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (2, 0)  # kDLCUDA
+
+    data = np.arange(6, dtype=np.float64)
+    previous = device.use(FakeLayer())
+    try:
+        buf = as_buffer(CudaDLPack(data), writable=True)
+    finally:
+        device.use(previous)
+    assert (buf.device, buf.ptr, buf.count, buf.dtype.name) == ("cuda", data.ctypes.data, 6, "float64")
+
+
 @pytest.mark.parametrize(
     ("fields", "error", "words"),
     [
