@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One go on a freshly lent GPU machine (CuPy, PyTorch, pytest there; nothing is installed):
 #   1. the GPU tests (tests/gpu: kernels bitwise vs numpy on the GPU, cupy/torch collectives
-#      N=2..4 vs the host path, staged executor on the real device, compile checks),
+#      N=2..4 vs the host path, the staged executor on the real device, fp16 error bounds),
 #   2. the GPU benchmark (bench/gpu_bench.py), whose table is printed last.
 # Budget: 8 minutes in all (tests up to ~4.5 min, benchmark ~3 min); each part is bounded.
 #
@@ -46,9 +46,11 @@ except ImportError:
 PY
 
 echo "== GPU tests (tests/gpu)"
-# the fake-device cluster tests need no GPU (CI runs them); everything else runs here
+# CI runs what needs no GPU (fake-device clusters, nvcc/NVRTC compile checks); the rest runs
+# here, the host-side kernel rules too (this machine's numpy may differ from CI's)
 timeout 280 "$PY" -m pytest -q -rfEs --maxfail=20 -p no:cacheprovider tests/gpu \
-    --ignore=tests/gpu/test_fake_cluster.py -o addopts="" --timeout 250 -W ignore::DeprecationWarning \
+    --ignore=tests/gpu/test_fake_cluster.py --ignore=tests/gpu/test_compile.py \
+    -o addopts="" --timeout 250 -W ignore::DeprecationWarning \
     --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
 TESTS=${PIPESTATUS[0]}
 echo "tests exit status: $TESTS"
