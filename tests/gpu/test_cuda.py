@@ -27,7 +27,7 @@ from tests.gpu.gpu import needs_gpu
 from tests.gpu.test_fake_cluster import RING_ENV, cases
 from tests.gpu.test_kernel_rules import COUNT, _cases, _kinds, values
 
-pytestmark = [*needs_gpu, pytest.mark.timeout(600)]
+pytestmark = [*needs_gpu, pytest.mark.timeout(240)]
 HAS_TORCH_CUDA = importlib.util.find_spec("torch") is not None
 
 
@@ -103,7 +103,7 @@ CONFIGS = [
 def test_gpu_buffers_equal_host_path(kind: str, size: int, env: dict, count: int) -> None:
     with Cluster(size, env=env) as cluster:
         all_cases = cases(size, count)
-        results = cluster.results(tasks.real_vs_host, all_cases, kind, timeout=500)
+        results = cluster.results(tasks.real_vs_host, all_cases, kind, timeout=200)
         for c, (_, bfloat16, op, compression) in enumerate(all_cases):
             for rank in range(size):
                 gpu, host = results[rank][c]
