@@ -62,13 +62,17 @@ class CudaReducer:
         self.device = cupy.cuda.Device().id
         self._module = module(dtype.name, compression, self.device)
         self._result: Any = None
+        self._names: dict[tuple[np.dtype, ...], str] = {}  # per segment, so worth remembering
 
     def combine(self, dst: Any, a: Any, b: Any, final: bool = False) -> None:
         """``dst = op(a, b)`` element-wise; with ``final``, apply avg's division too."""
         n = int(dst.size)
         if not n:
             return
-        name = cuda_source.combine_name(self.dtype, self.op, dst.dtype, a.dtype, b.dtype)
+        key = (dst.dtype, a.dtype, b.dtype)
+        name = self._names.get(key)
+        if name is None:
+            name = self._names[key] = cuda_source.combine_name(self.dtype, self.op, *key)
         scale = int(final and self.op is ReduceOp.AVG and self.world > 1)
         arrays = (dst, a, b)
         head = cuda_source.vector_head([x.data.ptr for x in arrays], [x.dtype.itemsize for x in arrays], n)
