@@ -29,9 +29,13 @@ needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(unavailable() is not None, reas
 
 
 def make_layer(kind: str, seed: int = 0) -> Any:
-    """A fresh device layer: ``"fake"`` or ``"cupy"`` (skips without a GPU)."""
+    """A fresh device layer: ``"fake"``, ``"mock"`` or ``"cupy"`` (skips without a GPU)."""
     if kind == "fake":
         return FakeLayer(seed=seed)
+    if kind == "mock":  # the CuPy layer over tests/gpu/mock_cupy.py (installed by the caller)
+        from ringcore.device.cupy_layer import CupyLayer
+
+        return CupyLayer()
     if unavailable():
         pytest.skip(str(unavailable()))
     from ringcore.device.cupy_layer import CupyLayer

@@ -116,3 +116,13 @@ def mixed_ring(comm: Any, inputs: list[np.ndarray], op: str, compression: str | 
     buf = FakeCudaArray(x) if comm.rank % 2 else x
     comm.allreduce(buf, op=op, compression=compression)
     return _bits(x)
+
+
+def use_mock_cupy(comm: Any) -> None:
+    """Make this rank's GPU buffers go through ringcore's CuPy layer over tests/gpu/mock_cupy.py."""
+    import sys
+
+    from tests.gpu import mock_cupy
+
+    sys.modules["cupy"] = mock_cupy.module()
+    device.use(None)
