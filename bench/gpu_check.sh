@@ -46,10 +46,11 @@ except ImportError:
 PY
 
 echo "== GPU tests (tests/gpu)"
-# CI runs what needs no GPU (fake-device clusters, nvcc/NVRTC compile checks); the rest runs
+# CI runs what needs no GPU (fake device, mock CuPy, nvcc/NVRTC compile checks); the rest runs
 # here, the host-side kernel rules too (this machine's numpy may differ from CI's)
 timeout 280 "$PY" -m pytest -q -rfEs --maxfail=20 -p no:cacheprovider tests/gpu \
     --ignore=tests/gpu/test_fake_cluster.py --ignore=tests/gpu/test_compile.py \
+    --ignore=tests/gpu/test_mock_cupy.py \
     -o addopts="" --timeout 250 -W ignore::DeprecationWarning \
     --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
 TESTS=${PIPESTATUS[0]}
