@@ -126,3 +126,16 @@ def use_mock_cupy(comm: Any) -> None:
 
     sys.modules["cupy"] = mock_cupy.module()
     device.use(None)
+
+
+def fake_async(comm: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """Several GPU allreduces in flight on the async thread, then a host one, in order."""
+    bufs = [FakeCudaArray(x.copy()) for x in inputs]
+    handles = [
+        comm.allreduce_async(b, op="sum", compression="fp16" if i % 2 else None) for i, b in enumerate(bufs)
+    ]
+    host = inputs[0].copy()
+    comm.allreduce(host)
+    for handle in handles:
+        handle.wait(timeout=60)
+    return [b.data for b in bufs] + [host]

@@ -115,3 +115,17 @@ def test_mixed_ring_of_host_and_gpu_ranks_agrees() -> None:
             host = cluster.results(host_tasks.allreduce, inputs, op, compression)  # every rank on the host
             for result in results:
                 np.testing.assert_array_equal(result, host[0].view(np.uint32), err_msg=f"{op} {compression}")
+
+
+def test_async_gpu_allreduces() -> None:
+    size = 2
+    rng = np.random.default_rng(1)
+    inputs = [rng.standard_normal(3000).astype(np.float32) for _ in range(4)]
+    with Cluster(size, env=RING_ENV) as cluster:
+        cluster.results(tasks.use_fake, 3)
+        got = cluster.results(tasks.fake_async, inputs)
+        for i, x in enumerate(inputs):
+            want = cluster.results(host_tasks.allreduce, [x] * size, "sum", "fp16" if i % 2 else None)[0]
+            for rank in range(size):
+                np.testing.assert_array_equal(got[rank][i], want)
+        np.testing.assert_array_equal(got[0][-1], inputs[0] * size)
