@@ -139,3 +139,17 @@ def fake_async(comm: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
     for handle in handles:
         handle.wait(timeout=60)
     return [b.data for b in bufs] + [host]
+
+
+def fake_until_failure(comm: Any, count: int, rounds: int) -> tuple[str, bool]:
+    """Allreduce a GPU buffer until a collective fails; its error and whether the buffer was left as it was."""
+    from ringcore.device.fake import FakeCudaArray as Array
+
+    buf = Array(np.ones(count, np.float32))
+    for _ in range(rounds):
+        before = buf.data.copy()
+        try:
+            comm.allreduce(buf, op="max")
+        except Exception as err:
+            return type(err).__name__, bool(np.array_equal(buf.data, before))
+    return "none", True
