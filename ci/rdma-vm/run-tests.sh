@@ -36,6 +36,10 @@ fi
 
 OUT="$REPO/.rdma-vm-results"
 rm -rf "$OUT"; mkdir -p "$OUT"
+
+# On the host first: pyverbs imports but there is no device, so ibverbs must fail clearly and auto use TCP.
+echo "=== host: no RDMA device"
+(cd "$REPO" && timeout 300 "$VENV/bin/python" -m pytest -p no:cacheprovider -q tests/rdma/test_no_device.py)
 echo "=== booting the Soft-RoCE guest (set-up took $(( $(date +%s) - t0 )) s)"
 set +e
 timeout $(( ${RDMA_VM_TIMEOUT:-1500} + 60 )) bash "$HERE/vm-run.sh" --workdir "$REPO" --timeout "${RDMA_VM_TIMEOUT:-1500}" \

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import select
 import struct
+import time
 from collections import deque
 from typing import Any, NamedTuple, Protocol
 
@@ -62,6 +63,7 @@ REFUSE = 3  # the sender's frame does not match an announced receive: the receiv
 CONTROL = struct.Struct("<BxHIIxxxxQQQQ")
 SLOT_BYTES = 64
 DEPTH = 128  # receives kept posted per link, and the most messages in flight towards a peer
+CONTROL_GRACE = 2.0  # seconds a failed completion waits for the control plane's explanation
 _MASK = 0xFFFF
 
 # Completion kinds, as Device.poll reports them.
@@ -401,6 +403,17 @@ class RdmaTransport:
                 raise conn.fail("shut down (called shutdown()) while this rank still had frames for it")
 
     def _failure(self, link: Link, status: str) -> PeerFailure:
+        """The error for a failed work request, unless the control plane says why first.
+
+        A rank that abandons a collective deregisters its announced receives
+        (``cancel``) before its ABORT frame goes out, and a dead rank's queue
+        pair fails writes before its TCP connection reports the death. So a
+        failed completion is first given ``CONTROL_GRACE`` seconds for the real
+        reason to arrive (``PeerAborted`` or ``PeerFailure`` from the control mesh).
+        """
+        deadline = time.monotonic() + CONTROL_GRACE
+        while time.monotonic() < deadline:
+            self.control.progress(0.05)
         name = self.peer_name(link.peer)
         return PeerFailure(f"rank {link.peer} ({name}): {explain_status(status)}", link.peer, name)
 

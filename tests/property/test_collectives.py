@@ -344,7 +344,9 @@ def test_reduce_scatter_gives_each_rank_its_chunk(live: LiveCluster, data: st.Da
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=min(8, EXAMPLES), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=min(8, EXAMPLES), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_barrier_waits_for_the_last_rank(live: LiveCluster, data: st.DataObject) -> None:
     """No rank leaves the barrier before the last one entered it (wall clocks of one machine)."""
@@ -366,7 +368,9 @@ def test_barrier_waits_for_the_last_rank(live: LiveCluster, data: st.DataObject)
 @pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
 @pytest.mark.parametrize("live", ["n3", "ring3"], indirect=True)
 @pytest.mark.timeout(240)
-@settings(max_examples=min(15, EXAMPLES), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=min(15, EXAMPLES), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_torch_cpu_tensors_in_place(live: LiveCluster, data: st.DataObject) -> None:
     """float32, int64 and bfloat16 CPU tensors reduce in place (same storage) like numpy arrays."""
