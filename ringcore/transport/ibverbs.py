@@ -118,7 +118,23 @@ class VerbsDevice:
             raise
         self.by_qpn = {qp.qp_num: index for index, qp in enumerate(self.qps)}
         self._inline = bytearray(_INLINE_BYTES)
-        self._inline_address = _bytearray_address(self._inline)
+        # Work requests are built once and re-filled: pyverbs objects cost microseconds to create,
+        # and ibv_post_send/recv copy the request, so reuse after posting is safe.
+        self._control_sge = SGE(_bytearray_address(self._inline), 0, 0)
+        self._control_wr = SendWR(
+            opcode=e.IBV_WR_SEND,
+            num_sge=1,
+            sg=[self._control_sge],
+            send_flags=e.IBV_SEND_SIGNALED | e.IBV_SEND_INLINE,
+        )
+        self._write_sge = SGE(0, 0, 0)
+        self._write_wr = SendWR(
+            opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM,
+            num_sge=1,
+            sg=[self._write_sge],
+            send_flags=e.IBV_SEND_SIGNALED,
+        )
+        self._recv_wrs: dict[tuple[int, int], Any] = {}  # (link, slot) -> RecvWR: slots never move
         self._statuses = {
             getattr(e, name): name for name in dir(e) if name.startswith("IBV_WC_") and name.endswith("_ERR")
         }
@@ -172,28 +188,30 @@ class VerbsDevice:
             raise _registration_error(err, nbytes) from None
 
     def post_recv(self, link: int, slot: int, address: int, nbytes: int, lkey: int) -> None:
-        wr_id = _RECV_FLAG | link << 16 | slot
-        self.qps[link].post_recv(RecvWR(wr_id=wr_id, num_sge=1, sg=[SGE(address, nbytes, lkey)]))
+        wr = self._recv_wrs.get((link, slot))
+        if wr is None:
+            sge = SGE(address, nbytes, lkey)
+            wr = self._recv_wrs[(link, slot)] = RecvWR(
+                wr_id=_RECV_FLAG | link << 16 | slot, num_sge=1, sg=[sge]
+            )
+        self.qps[link].post_recv(wr)
 
     def post_send(self, link: int, data: bytes) -> None:
         self._inline[: len(data)] = data
-        flags = e.IBV_SEND_SIGNALED | e.IBV_SEND_INLINE
-        sge = SGE(self._inline_address, len(data), 0)
-        self.qps[link].post_send(
-            SendWR(wr_id=link, opcode=e.IBV_WR_SEND, num_sge=1, sg=[sge], send_flags=flags)
-        )
+        self._control_sge.length = len(data)
+        wr = self._control_wr
+        wr.sg_list = self._control_sge
+        wr.wr_id = link
+        self.qps[link].post_send(wr)
 
     def post_write(
         self, link: int, address: int, nbytes: int, lkey: int, remote: int, rkey: int, imm: int
     ) -> None:
-        wr = SendWR(
-            wr_id=link,
-            opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM,
-            num_sge=1,
-            sg=[SGE(address, nbytes, lkey)],
-            send_flags=e.IBV_SEND_SIGNALED,
-            imm_data=imm,
-        )
+        sge, wr = self._write_sge, self._write_wr
+        sge.addr, sge.length, sge.lkey = address, nbytes, lkey
+        wr.sg_list = sge
+        wr.wr_id = link
+        wr.imm_data = imm
         wr.set_wr_rdma(rkey, remote)
         self.qps[link].post_send(wr)
 

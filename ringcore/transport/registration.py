@@ -22,6 +22,7 @@ register (``MR`` for host memory, ``DmaBufMR`` for a CUDA allocation).
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -56,7 +57,11 @@ class _Entry:
 
 def view_address(view: memoryview) -> int:
     """The address of the first byte of a contiguous memoryview (read-only ones too)."""
-    return int(np.frombuffer(view, np.uint8).ctypes.data) if view.nbytes else 0
+    if not view.nbytes:
+        return 0
+    if not view.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return int(np.frombuffer(view, np.uint8).__array_interface__["data"][0])
 
 
 def owner_range(view: memoryview) -> tuple[Any, int, int]:
