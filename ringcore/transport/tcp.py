@@ -38,6 +38,7 @@ log = logging.getLogger("ringcore")
 
 _POLLIN = select.POLLIN | select.POLLPRI
 _POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
+_ABORT_WAIT = 1.0  # seconds abort() may block per connection to get its frame out
 
 
 class _Send:
@@ -278,15 +279,28 @@ class TcpTransport:
             conn.header_got = conn.payload_got = 0
 
     def abort(self, reason: dict[str, Any]) -> None:
+        """Send ABORT on every connection, first finishing a half-sent frame.
+
+        The rest of that frame must go out, or the ABORT would land in the middle
+        of its payload and the peer would only see the connection close, and
+        blame this rank instead of the real culprit. Its bytes mean nothing now
+        (the peer fails on the ABORT and restores its own buffers). Bounded: a
+        peer that does not read gets ``_ABORT_WAIT`` seconds, then just EOF.
+        """
         frame = wire.abort_frame(reason)
         for conn in self.conns.values():
-            if conn.sends and conn.sends[0].offset:
-                continue  # mid-frame: an ABORT now would corrupt the stream; EOF will do
+            rest = conn.sends[0].remaining() if conn.sends and conn.sends[0].offset else []
             try:
-                conn.sock.send(frame)
+                conn.sock.settimeout(_ABORT_WAIT)
+                for part in rest:
+                    conn.sock.sendall(part)
+                conn.sock.sendall(frame)
                 conn.sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
+            finally:
+                with contextlib.suppress(OSError):
+                    conn.sock.setblocking(False)
 
     def peer_name(self, peer: int) -> str:
         return self.names.get(peer, "?")
