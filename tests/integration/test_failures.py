@@ -194,8 +194,8 @@ def test_stopped_rank_times_out() -> None:
     rank 0, which raises CollectiveTimeout too ("rank 2 gave up: ..."), so
     every survivor gets CollectiveTimeout, not PeerFailure. Either way the
     message says it was waiting on rank 1. Once resumed, rank 1 finds the
-    aborts (or its own stalled clock) and raises CollectiveTimeout as well
-    instead of hanging.
+    aborts, its own stalled clock or a reset connection, and raises
+    CollectiveTimeout or PeerFailure instead of hanging.
     """
     victim, survivors = 1, [0, 2]
     with Cluster(3, env={"RINGCORE_TIMEOUT": "3"}) as cluster:
@@ -220,7 +220,13 @@ def test_stopped_rank_times_out() -> None:
             cluster.kill(victim, signal.SIGCONT)
             (resumed,) = stopped.join(DETECTION_BOUND + 30)
             assert not isinstance(resumed, RankError), resumed
-            assert resumed["error"] == qualified(ringcore.CollectiveTimeout), resumed
+            # The resumed rank's own error depends on what it reads first: the aborts, its stalled
+            # clock, or a connection a survivor's kernel reset meanwhile (TCP_USER_TIMEOUT on bytes
+            # it could not deliver to a stopped process). Either way: a clear error, no hang.
+            assert resumed["error"] in (
+                qualified(ringcore.CollectiveTimeout),
+                qualified(ringcore.PeerFailure),
+            ), resumed
             assert resumed["untouched"], resumed
         finally:
             cluster.kill(victim, signal.SIGCONT)
