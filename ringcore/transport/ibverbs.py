@@ -87,7 +87,6 @@ class VerbsDevice:
                     f"port {self.port} of RDMA device {self.name} is not ACTIVE (state {attr.state})"
                 )
             self.mtu = attr.active_mtu
-            self.lid = attr.lid
             self.gid_index = (
                 settings.ib_gid_index
                 if settings.ib_gid_index is not None
@@ -116,7 +115,6 @@ class VerbsDevice:
         except BaseException:
             self.ctx.close()
             raise
-        self.by_qpn = {qp.qp_num: index for index, qp in enumerate(self.qps)}
         self._inline = bytearray(_INLINE_BYTES)
         # Work requests are built once and re-filled: pyverbs objects cost microseconds to create,
         # and ibv_post_send/recv copy the request, so reuse after posting is safe.

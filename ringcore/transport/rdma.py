@@ -141,9 +141,6 @@ class Link:
     def can_send(self, depth: int) -> bool:
         return (self.sent - self.peer_reposted) & _MASK < depth and len(self.posted) < 2 * depth
 
-    def busy(self) -> bool:
-        return bool(self.sends or self.recvs or self.outbox or self.posted)
-
 
 class RdmaTransport:
     """The RDMA transport of one rank over an established set of connected queue pairs.
