@@ -375,10 +375,12 @@ class Executor:
 
     def pending(self) -> str:
         """What the run is waiting for, for error messages."""
+        return "waiting for " + (", ".join(self._waits()[:4]) or "nothing posted")
+
+    def _waits(self) -> list[str]:
         waits = [
             f"receive from rank {route[0]} ({wire.describe_tag(posted[0][0].tag)})"
             for route, posted in self.posted_recvs.items()
             if posted
         ]
-        waits += [f"send to rank {route[0]}" for route, posted in self.posted_sends.items() if posted]
-        return "waiting for " + (", ".join(waits[:4]) or "nothing posted")
+        return waits + [f"send to rank {route[0]}" for route, posted in self.posted_sends.items() if posted]

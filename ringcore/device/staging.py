@@ -38,11 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from ringcore.algo.execute import Item, Key, Program, Route, compile_program
+from ringcore.algo.execute import Executor, Item, Key, Program, Route, compile_program
 from ringcore.algo.steps import Buf, Schedule
 from ringcore.device.layer import DeviceArray, DeviceLayer, DeviceReducer, Event, Stream
 from ringcore.errors import CollectiveTimeout
-from ringcore.transport import wire
 from ringcore.transport.base import Request, Transport
 
 _USER, _WORK = int(Buf.USER), int(Buf.WORK)
@@ -87,8 +86,13 @@ def _slot_bytes(program: Program, arrays: list[Any]) -> int:
     return largest
 
 
-class StagedExecutor:
-    """Runs one schedule on device arrays (see module docstring); arguments as ``Executor``'s."""
+class StagedExecutor(Executor):
+    """Runs one schedule on device arrays (see module docstring); arguments as ``Executor``'s.
+
+    The dataflow bookkeeping (when a send may go, combining, marking steps done)
+    is :class:`~ringcore.algo.execute.Executor`'s; this class replaces how
+    segments are posted, staged and saved.
+    """
 
     def __init__(
         self,
@@ -111,6 +115,7 @@ class StagedExecutor:
         self.pack = user is not None and work is not None and work.dtype != user.dtype
         self.seq_bits = (seq & 0xFFFFFFFF) << 32
         self.signature, self.timeout, self.interrupt = signature, timeout, interrupt
+        self.timeline = None  # GPU collectives are recorded whole, not step by step
         self.step_done = [row[:] for row in program.step_done]
         self.done_upto = program.done_upto[:]
         routes = [(r, "send") for r in program.sends] + [(r, "recv") for r in program.recvs]
@@ -176,11 +181,6 @@ class StagedExecutor:
 
     def _nbytes(self, key: Key) -> int:
         return (key[2] - key[1]) * self.arrays[key[0]].dtype.itemsize
-
-    def _send_ready(self, s: int, k: int) -> bool:
-        if self.steps[s].whole:
-            return min(self.done_upto) >= s
-        return self.done_upto[k] >= s
 
     def _post_sends(self) -> bool:
         """Queue the download of every ready segment that has a free slot."""
@@ -265,22 +265,6 @@ class StagedExecutor:
             progressed = True
         return progressed
 
-    def _combine(self, item: Item, recv_key: Key) -> bool:
-        """Queue a received segment's combine (if the step has one); False if it must wait."""
-        regions = self.combines[item]
-        if regions is not None:
-            dst, a, b = regions
-            if dst[1] < dst[2] and dst in self.sending:
-                return False
-            step = self.steps[item[0]]
-            if step.commit:
-                self._commit(dst, a, b, step.final)
-            else:
-                self.reducer.combine(self._array(dst), self._array(a), self._array(b), final=step.final)
-        self.receiving.discard(recv_key)
-        self._mark_done(*item)
-        return True
-
     def _save(self, user_key: Key) -> bool:
         """Back up a USER region into WORK before overwriting it; False if WORK is busy."""
         backup = (_WORK, user_key[1], user_key[2])
@@ -299,22 +283,8 @@ class StagedExecutor:
         self.layer.copy(self._array(user), result, self.staging.compute)
         self.saved.append(user)
 
-    def _mark_done(self, s: int, k: int) -> None:
-        parts = range(self.segments) if self.steps[s].whole else (k,)
-        for part in parts:
-            self.step_done[s][part] = True
-            upto = self.done_upto[part]
-            while upto < len(self.steps) and self.step_done[upto][part]:
-                upto += 1
-            self.done_upto[part] = upto
-
-    def pending(self) -> str:
-        """What the run is waiting for, for error messages."""
-        waits = [
-            f"receive from rank {route[0]} ({wire.describe_tag(posted[0][0].tag)})"
-            for route, posted in self.posted_recvs.items()
-            if posted
+    def _waits(self) -> list[str]:
+        waits = super()._waits()
+        return waits + [
+            f"device copy for rank {route[0]}" for route, staged in self.downloading.items() if staged
         ]
-        waits += [f"send to rank {route[0]}" for route, posted in self.posted_sends.items() if posted]
-        waits += [f"device copy for rank {route[0]}" for route, staged in self.downloading.items() if staged]
-        return "waiting for " + (", ".join(waits[:4]) or "nothing posted")
