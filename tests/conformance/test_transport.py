@@ -26,7 +26,7 @@ from ringcore.transport import wire
 from ringcore.transport.base import FrameMismatch, PeerAborted, Request
 from ringcore.transport.loopback import LoopbackNetwork
 from ringcore.transport.mesh import connect_mesh, make_listener
-from ringcore.transport.rdma import RdmaTransport
+from ringcore.transport.rdma import DEPTH, RdmaTransport
 from ringcore.transport.tcp import needed_links
 from tests.fake_verbs import FakeFabric
 from tests.rdma_support import DictStore, needs_rdma
@@ -68,15 +68,15 @@ def tcp_mesh(size: int, channels: int, before: Callable[[list[socket.socket]], N
     return transports
 
 
-def rdma_fake_mesh(size: int, channels: int) -> list:
+def rdma_fake_mesh(size: int, channels: int, fabric: FakeFabric | None = None, depth: int = DEPTH) -> list:
     """The RDMA transport's protocol over the in-process fake verbs (not an RDMA test)."""
     controls = tcp_mesh(size, 1)
-    fabric = FakeFabric()
+    fabric = FakeFabric() if fabric is None else fabric
     transports = []
     for rank in range(size):
         links = needed_links(rank, size, channels)
         device = fabric.device(rank, links)
-        transports.append(RdmaTransport(rank, size, channels, device, links, controls[rank]))
+        transports.append(RdmaTransport(rank, size, channels, device, links, controls[rank], depth))
     for transport in transports:
         transport.post_receives()
     return transports

@@ -9,7 +9,6 @@ transport over a real device is tested in ``tests/rdma``.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -23,8 +22,7 @@ from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
 from ringcore.transport.rdma import RdmaTransport, explain_status
 from ringcore.transport.registration import RegistrationCache, owner_range
-from ringcore.transport.tcp import needed_links
-from tests.conformance.test_transport import tcp_mesh
+from tests.conformance.test_transport import in_parallel, rdma_fake_mesh
 from tests.fake_verbs import FakeFabric
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,37 +31,8 @@ SIG = 0xAB
 
 
 def fake_mesh(size: int, channels: int = 1, depth: int = 4) -> tuple[list[RdmaTransport], FakeFabric]:
-    controls = tcp_mesh(size, 1)
     fabric = FakeFabric()
-    transports = []
-    for rank in range(size):
-        links = needed_links(rank, size, channels)
-        device = fabric.device(rank, links)
-        transports.append(RdmaTransport(rank, size, channels, device, links, controls[rank], depth))
-    for transport in transports:
-        transport.post_receives()
-    return transports, fabric
-
-
-def on_threads(size: int, body) -> list:
-    results: list = [None] * size
-    errors: list = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = body(rank)
-        except BaseException as err:
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(40)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish"
-    if errors:
-        raise errors[0]
-    return results
+    return rdma_fake_mesh(size, channels, fabric, depth), fabric
 
 
 def ring_allreduce(
@@ -84,7 +53,7 @@ def ring_allreduce(
         result = schedule.result
         return arrays[result.buf][result.start : result.start + result.count].copy()
 
-    return on_threads(size, body)
+    return in_parallel(*[lambda rank=rank: body(rank) for rank in range(size)])  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])
