@@ -306,14 +306,21 @@ def form_mesh(
     return transports, attackers
 
 
-def check_mesh(transports: list[TcpTransport], strangers: set[tuple[str, int]]) -> None:
-    """Every connection is the real peer's socket, none is a stranger's, and data flows correctly."""
+def check_mesh(
+    transports: list[TcpTransport], strangers: set[tuple[tuple[str, int], tuple[str, int]]]
+) -> None:
+    """Every connection is the real peer's socket, none is a stranger's, and data flows correctly.
+
+    A stranger is told apart by its whole connection, ``(its address, the listener's)``: Linux
+    reuses an ephemeral port for connections to different listeners, so a port alone is not enough.
+    """
     size = len(transports)
     for rank, transport in enumerate(transports):
         assert set(transport.conns) == set(needed_links(rank, size, 1))
         for (peer, channel), conn in transport.conns.items():
             remote = conn.sock.getpeername()[:2]
-            assert remote not in strangers, f"rank {rank} accepted a stranger as rank {peer}"
+            connection = (remote, conn.sock.getsockname()[:2])
+            assert connection not in strangers, f"rank {rank} accepted a stranger as rank {peer}"
             assert remote == transports[peer].conns[(rank, channel)].sock.getsockname()[:2]
     results: list[dict[int, np.ndarray]] = [{} for _ in range(size)]
 
@@ -344,6 +351,7 @@ class Stranger:
     def __init__(self, address: tuple[str, int], kind: str, payload: bytes = b"") -> None:
         self.sock = socket.create_connection(address, timeout=BOUND)
         self.local = self.sock.getsockname()[:2]
+        self.connection = (self.local, tuple(address[:2]))
         self.kind = kind
         self.payload = payload
         self.error: BaseException | None = None
@@ -391,7 +399,7 @@ def test_strangers_during_mesh_setup_are_dropped() -> None:
     plan = [(rank, kind, b"\x00garbage" * 8) for rank in range(3) for kind in STRANGER_KINDS]
     transports, strangers = form_mesh(3, launch(plan))
     try:
-        check_mesh(transports, {s.local for s in strangers})
+        check_mesh(transports, {s.connection for s in strangers})
         for (rank, kind, _), stranger in zip(plan, strangers, strict=True):
             stranger.finish()
             if rank == 2:
@@ -419,7 +427,7 @@ def test_strangers_during_mesh_setup_are_dropped() -> None:
 def test_fuzzed_strangers_during_mesh_setup(plan: list[tuple[int, str, bytes]]) -> None:
     transports, strangers = form_mesh(3, launch(plan))
     try:
-        check_mesh(transports, {s.local for s in strangers})
+        check_mesh(transports, {s.connection for s in strangers})
     finally:
         for transport in transports:
             transport.close()
