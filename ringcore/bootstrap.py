@@ -31,6 +31,7 @@ from ringcore.errors import CollectiveTimeout, ConfigError
 from ringcore.rendezvous import WorldSpec, listen_address
 from ringcore.store import StoreClient, StoreServer, tls_contexts
 from ringcore.transport.mesh import connect_mesh, make_listener
+from ringcore.transport.tcp import TcpTransport
 
 log = logging.getLogger("ringcore")
 _warned_no_secret = False
@@ -101,6 +102,8 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
         raise
     listener.close()
     local_rank, local_size = _locality(world, peers)
+    if isinstance(transport, TcpTransport):
+        transport.spin = settings.spin_seconds(local_size)
     comm = Communicator(world.rank, world.size, local_rank, local_size, settings, transport, store, server)
     try:
         comm.confirm_world()

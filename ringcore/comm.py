@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ringcore import collectives
+from ringcore.algo import lockstep
 from ringcore.algo.execute import Executor
+from ringcore.algo.lockstep import LockstepExecutor
 from ringcore.algo.steps import Buf, Schedule
 from ringcore.buffers import Buffer, DType
 from ringcore.config import Settings
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ringcore")
 
 _EXPLAIN_WAIT = 10.0
+_VIEW_CACHE = 64  # (scratch buffers, count, dtype) combinations whose views are kept
 
 
 class Handle:
@@ -102,12 +105,14 @@ class Communicator:
         self.store = store
         self.server = server
         self._cond = threading.Condition()
+        self._waiters = 0  # threads waiting in _run_turn for their ticket
         self._next_ticket = self._turn = 0
         self._broken: BaseException | None = None
         self._closed = False
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._scratch: dict[Buf, np.ndarray] = {}
+        self._views: dict[tuple[Any, ...], dict[Buf, np.ndarray]] = {}
         self._reducers: dict[tuple[str, ReduceOp, Compression], Reducer] = {}
         self._device: DeviceContext | None = None
         self.progress = Progress()
@@ -190,6 +195,7 @@ class Communicator:
         if self.server is not None:
             self.server.close()
         self._scratch.clear()
+        self._views.clear()
         self._reducers.clear()
         self._device = None
 
@@ -241,8 +247,12 @@ class Communicator:
     def _run_turn(self, plan: collectives.Plan, ticket: int, seq: int) -> Any:
         with self._cond:
             while self._turn != ticket:
-                self._cond.wait()
-        start = Timeline.now_us()
+                self._waiters += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self._waiters -= 1
+        start = Timeline.now_us() if self.timeline is not None else 0.0
         self.progress.enter(seq, plan.kind, plan.name)
         try:
             if self._broken is not None:
@@ -261,7 +271,8 @@ class Communicator:
                 self.timeline.complete(f"{plan.kind} #{seq}", "collective", start, Timeline.now_us(), args)
             with self._cond:
                 self._turn += 1
-                self._cond.notify_all()
+                if self._waiters:  # notify_all is slow Python even with nobody waiting
+                    self._cond.notify_all()
 
     def confirm_world(self) -> None:
         """A barrier outside the numbered collectives (#0): every rank is connected and alive."""
@@ -290,17 +301,32 @@ class Communicator:
     def scratch_arrays(
         self, schedule: Schedule, buffer: Buffer, wire_dtype: np.dtype
     ) -> dict[Buf, np.ndarray]:
-        """USER plus the scratch buffers the schedule uses, reused between collectives."""
-        arrays = {Buf.USER: buffer.array}
-        for buf in schedule.buffers - {Buf.USER}:
-            nbytes = buffer.count * wire_dtype.itemsize
+        """USER plus the scratch buffers the schedule uses, reused between collectives.
+
+        The views into the pools are kept too (a small collective spends more
+        making them than moving its bytes); they are dropped whenever a pool
+        grows, so no view keeps an outgrown pool alive.
+        """
+        key = (schedule.scratch, buffer.count, wire_dtype)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = self._make_views(schedule.scratch, buffer.count, wire_dtype)
+        return {Buf.USER: buffer.array, **views}
+
+    def _make_views(self, bufs: tuple[Buf, ...], count: int, wire_dtype: np.dtype) -> dict[Buf, np.ndarray]:
+        nbytes = count * wire_dtype.itemsize
+        views = {}
+        for buf in bufs:
             pool = self._scratch.get(buf)
             if pool is None or pool.nbytes < nbytes:
+                self._views.clear()
                 pool = self._scratch[buf] = np.empty(nbytes, np.uint8)
-            arrays[buf] = pool[:nbytes].view(wire_dtype)
-        if Buf.WORK not in arrays:
-            arrays[Buf.WORK] = np.empty(0, wire_dtype)
-        return arrays
+            views[buf] = pool[:nbytes].view(wire_dtype)
+        if Buf.WORK not in views:
+            views[Buf.WORK] = np.empty(0, wire_dtype)
+        if len(self._views) >= _VIEW_CACHE:
+            self._views.clear()
+        return views
 
     def execute(
         self,
@@ -315,7 +341,9 @@ class Communicator:
 
         ``sub`` numbers the schedules of one collective (allgather runs two), so
         their frames carry different tags. With ``staging``, ``arrays`` are
-        device arrays and the staged executor runs the schedule.
+        device arrays and the staged executor runs the schedule; one-segment
+        schedules that leave the caller's buffer alone run in lockstep
+        (:mod:`ringcore.algo.lockstep`), the rest on the pipelined Executor.
         """
         if self.transport is None:
             raise RingcoreError("a world of size > 1 needs a transport")
@@ -332,6 +360,17 @@ class Communicator:
                 desc.signature(),
                 self.settings.timeout,
                 staging,
+                interrupt=self.stall.interruption if self.stall is not None else None,
+            )
+        elif (self.timeline is None or not desc.seq) and lockstep.fits(schedule, self.transport, arrays):
+            executor = LockstepExecutor(
+                self.transport,
+                schedule,
+                arrays,
+                reducer,
+                desc.seq * 2 + sub,
+                desc.signature(),
+                self.settings.timeout,
                 interrupt=self.stall.interruption if self.stall is not None else None,
             )
         else:

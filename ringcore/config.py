@@ -54,6 +54,7 @@ class Settings:
     segment_bytes: int = 512 * KIB
     small_bytes: int = 64 * KIB
     socket_buffer: int = 4 * MIB
+    spin_us: int | None = None  # busy-poll before sleeping; None: auto (see spin_seconds)
     log_level: str = "WARNING"
     secret: bytes | None = None
     handshake_timeout: float = 10.0
@@ -89,6 +90,7 @@ class Settings:
             segment_bytes=reader.size("RINGCORE_SEGMENT_BYTES", cls.segment_bytes, minimum=4 * KIB),
             small_bytes=reader.size("RINGCORE_SMALL_BYTES", cls.small_bytes, minimum=0),
             socket_buffer=reader.size("RINGCORE_SOCKET_BUFFER", cls.socket_buffer, minimum=0),
+            spin_us=_spin(env.get("RINGCORE_SPIN_US", "auto")),
             log_level=env.get("RINGCORE_LOG_LEVEL", cls.log_level).upper(),
             secret=env["RINGCORE_SECRET"].encode() if "RINGCORE_SECRET" in env else None,
             handshake_timeout=reader.float("RINGCORE_HANDSHAKE_TIMEOUT", cls.handshake_timeout),
@@ -108,12 +110,47 @@ class Settings:
             ib_gid_index=reader.int("RINGCORE_IB_GID_INDEX", None, minimum=0, maximum=4095),
         )
 
+    def spin_seconds(self, local_size: int) -> float:
+        """How long a waiting rank busy-polls its sockets before it sleeps in ``poll``.
+
+        Waking a sleeping peer costs both sides tens of microseconds (on a VM,
+        an inter-processor interrupt and a context switch), more than a small
+        allreduce's own work. Spinning avoids it, but only pays while every
+        rank of this host has a core to itself: oversubscribed, a spinning
+        rank steals the CPU its peer needs, so ``auto`` spins only then.
+        """
+        if self.spin_us is not None:
+            return self.spin_us / 1e6
+        return AUTO_SPIN_US / 1e6 if local_size <= usable_cpus() else 0.0
+
     def __repr__(self) -> str:  # never print the secret
         fields = ", ".join(
             f"{f.name}={'<set>' if f.name == 'secret' and self.secret is not None else getattr(self, f.name)!r}"
             for f in dataclasses.fields(self)
         )
         return f"Settings({fields})"
+
+
+AUTO_SPIN_US = 200
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _spin(text: str) -> int | None:
+    text = text.strip().lower()
+    if text in ("", "auto"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"RINGCORE_SPIN_US={text!r} is not a number of microseconds or 'auto'") from None
+    return _bounded("RINGCORE_SPIN_US", value, 0, 1_000_000)
 
 
 class _Reader:

@@ -10,20 +10,19 @@ rank raises, e.g. ``allreduce #3: ranks disagree on shape: ranks 0-2 passed
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
 
-@dataclasses.dataclass(frozen=True)
-class Descriptor:
+class Descriptor(NamedTuple):
     """The arguments of one collective on one rank.
 
     ``shape`` is the part of the shape ranks must agree on (allgather: all but
-    the first dimension).
+    the first dimension). A named tuple: one is made per collective, so it
+    must be cheap to build.
     """
 
     kind: str
@@ -38,7 +37,7 @@ class Descriptor:
         return _signature(self.kind, self.dtype, self.shape, self.op, self.root, self.compression)
 
     def record(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "shape": list(self.shape)}
+        return {**self._asdict(), "shape": list(self.shape)}
 
     @property
     def title(self) -> str:

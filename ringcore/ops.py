@@ -19,13 +19,13 @@ class ReduceOp(enum.Enum):
         """Accept a ``ReduceOp`` or its name (``"sum"``, ``"AVG"``...)."""
         if isinstance(op, cls):
             return op
-        if isinstance(op, str):
-            try:
-                return cls(op.lower())
-            except ValueError:
-                pass
+        if isinstance(op, str) and (known := _REDUCE_OPS.get(op.lower())) is not None:
+            return known
         names = ", ".join(repr(o.value) for o in cls)
         raise ValueError(f"unknown reduce op {op!r}; use one of {names} or ringcore.ReduceOp")
+
+
+_REDUCE_OPS = {op.value: op for op in ReduceOp}  # name lookup without Enum's slow call by value
 
 
 class Compression(enum.Enum):

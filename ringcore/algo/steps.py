@@ -96,6 +96,11 @@ class Schedule:
                     used.add(region.buf)
         return used
 
+    @functools.cached_property
+    def scratch(self) -> tuple[Buf, ...]:
+        """The buffers besides USER that the steps use, which the caller must provide."""
+        return tuple(sorted(self.buffers - {Buf.USER}))
+
 
 def split_bounds(count: int, parts: int, index: int) -> tuple[int, int]:
     """``(start, length)`` of part ``index`` when ``count`` items are split into ``parts``."""

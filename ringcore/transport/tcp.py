@@ -8,8 +8,10 @@ never copied in user space and never pickled.
 
 Concurrency. There are no I/O threads: the collective's own thread calls
 ``progress()``, which pushes every connection with queued sends and pulls
-every connection with posted receives until the kernel says ``EAGAIN``, and
-only then sleeps in ``poll``. Sends and receives therefore interleave (no
+every connection with posted receives until the kernel says ``EAGAIN``, then
+keeps trying for ``spin`` seconds (when every rank of the host has a core:
+waking a sleeping peer costs more than a small allreduce), and only then
+sleeps in ``poll``. Sends and receives therefore interleave (no
 deadlock when socket buffers fill), and large socket buffers
 (``RINGCORE_SOCKET_BUFFER``) let the kernel keep moving bytes while the
 thread is reducing a segment.
@@ -27,6 +29,7 @@ import contextlib
 import logging
 import select
 import socket
+import time
 from collections import deque
 from typing import Any
 
@@ -214,6 +217,7 @@ class TcpTransport:
         self.names = {peer: conn.name for (peer, _), conn in conns.items()}
         self.closed = False
         self.current = (-1, 0)  # (seq, signature) of the running collective
+        self.spin = 0.0  # seconds to busy-poll before sleeping in poll (Settings.spin_seconds)
 
     def expect(self, seq: int, signature: int) -> None:
         self.current = (seq & 0xFFFFFFFF, signature)
@@ -243,6 +247,11 @@ class TcpTransport:
     def progress(self, timeout: float) -> bool:
         if self._pump():
             return True
+        if timeout > 0 and self.spin:
+            deadline = time.perf_counter() + min(self.spin, timeout)
+            while time.perf_counter() < deadline:
+                if self._pump():
+                    return True
         poller = select.poll()
         for conn in self.conns.values():
             if conn.departed and (conn.sends or conn.recvs):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringcore.config import KIB, MIB, Settings, parse_size
+from ringcore.config import AUTO_SPIN_US, KIB, MIB, Settings, parse_size, usable_cpus
 from ringcore.errors import ConfigError
 
 
@@ -90,6 +90,9 @@ def test_parse_size_rejects_garbage_with_config_error(text: str) -> None:
         ("RINGCORE_SEGMENT_BYTES", "big"),
         ("RINGCORE_SMALL_BYTES", "-5"),
         ("RINGCORE_SOCKET_BUFFER", "4Q"),
+        ("RINGCORE_SPIN_US", "fast"),
+        ("RINGCORE_SPIN_US", "-1"),
+        ("RINGCORE_SPIN_US", "2000000"),
     ],
 )
 def test_bad_values_name_the_variable(name: str, value: str) -> None:
@@ -107,3 +110,18 @@ def test_settings_are_frozen() -> None:
     s = Settings.from_env({})
     with pytest.raises(AttributeError):
         s.rank = 1  # type: ignore[misc]
+
+
+def test_spin_is_auto_unless_set() -> None:
+    assert Settings.from_env({}).spin_us is None
+    assert Settings.from_env({"RINGCORE_SPIN_US": "auto"}).spin_us is None
+    assert Settings.from_env({"RINGCORE_SPIN_US": "0"}).spin_seconds(1) == 0.0
+    assert Settings.from_env({"RINGCORE_SPIN_US": "50"}).spin_seconds(1000) == pytest.approx(50e-6)
+
+
+def test_auto_spin_only_while_every_local_rank_has_a_cpu() -> None:
+    """Spinning with more ranks than CPUs would steal the CPU the awaited peer needs."""
+    auto = Settings.from_env({})
+    cpus = usable_cpus()
+    assert auto.spin_seconds(cpus) == pytest.approx(AUTO_SPIN_US / 1e6)
+    assert auto.spin_seconds(cpus + 1) == 0.0
