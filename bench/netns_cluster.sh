@@ -118,9 +118,13 @@ launch() {
     local i pids=() rc=0
     for i in $(seq 0 $(( n - 1 ))); do need_host "$i"; done
     local secret=${RINGCORE_SECRET:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}
+    # The emulated hosts share this machine's cores, which ringcore cannot see (each rank is
+    # alone on its "host"): busy-polling would steal the CPU of another host's rank, so it
+    # is off unless RINGCORE_SPIN_US says otherwise.
+    local spin=${RINGCORE_SPIN_US:-0}
     for i in $(seq 0 $(( n - 1 ))); do
         ip netns exec "${HOST}$i" env RINGCORE_SECRET="$secret" RINGCORE_RANK="$i" RINGCORE_SIZE="$n" \
-            RINGCORE_LOCAL_RANK=0 RINGCORE_LOCAL_SIZE=1 RINGCORE_ADDR="$(addr 0)" \
+            RINGCORE_LOCAL_RANK=0 RINGCORE_LOCAL_SIZE=1 RINGCORE_SPIN_US="$spin" RINGCORE_ADDR="$(addr 0)" \
             RINGCORE_PORT="$PORT" RINGCORE_IFNAME=eth0 PYTHONUNBUFFERED=1 "$@" &
         pids+=("$!")
     done

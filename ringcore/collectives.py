@@ -9,6 +9,13 @@ lets the executor write it there with every overwritten region backed up and
 restored on failure. Either way a failed collective leaves the caller's
 buffer untouched; a successful one leaves it fully reduced.
 
+Large buffers. Scratch (WORK, STAGE) is as long as the buffer, so an
+allreduce or broadcast of more than ``RINGCORE_SLICE_BYTES`` runs as a
+sequence of complete collectives over equal slices (tags numbered by slice),
+which bounds scratch memory by the slice. The all-or-nothing promise then
+holds per slice: a failure in slice k leaves slices before it reduced, and
+its error carries a note saying so.
+
 GPU buffers (``Buffer.device == "cuda"``) take the same plans up to the run,
 which hands them to :mod:`ringcore.device.plans` (allreduce and broadcast;
 the other collectives refuse them before anything is sent).
@@ -16,8 +23,9 @@ the other collectives refuse them before anything is sent).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -80,13 +88,15 @@ def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
         elif comm.size > 1:
             reducer = comm.reducer(buffer.dtype, reduce_op, comp)
             in_place = reducer.wire_dtype == buffer.dtype.storage
-            schedule = allreduce_schedule(comm, buffer.count, reducer.wire_dtype.itemsize, in_place)
-            arrays = comm.scratch_arrays(schedule, buffer, reducer.wire_dtype)
-            if schedule.prefill_work:
-                reducer.convert(arrays[Buf.WORK], buffer.array)
-            comm.execute(desc, schedule, arrays, reducer)
-            if schedule.result is not None and schedule.result.buf != Buf.USER:
-                reducer.convert(buffer.array, arrays[Buf.WORK])
+            for part, (start, piece) in enumerate(_slices(buffer, comm.settings.slice_bytes)):
+                schedule = allreduce_schedule(comm, piece.count, reducer.wire_dtype.itemsize, in_place)
+                arrays = comm.scratch_arrays(schedule, piece, reducer.wire_dtype)
+                if schedule.prefill_work:
+                    reducer.convert(arrays[Buf.WORK], piece.array)
+                with _slice_failure_note(start, buffer.count):
+                    comm.execute(desc, schedule, arrays, reducer, sub=part)
+                if schedule.result is not None and schedule.result.buf != Buf.USER:
+                    reducer.convert(piece.array, arrays[Buf.WORK])
         return obj
 
     details = {
@@ -118,17 +128,55 @@ def plan_broadcast(obj: Any, root: int, rank: int, size: int) -> Plan:
             plans.broadcast(comm, desc, buffer, root)
         elif comm.size > 1:
             reducer = comm.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
-            schedule = chain.broadcast(
-                comm.rank, comm.size, root, buffer.count, buffer.dtype.itemsize, comm.settings.segment_bytes
-            )
-            arrays = comm.scratch_arrays(schedule, buffer, buffer.dtype.storage)
-            comm.execute(desc, schedule, arrays, reducer)
-            if schedule.result is not None:
-                np.copyto(buffer.array, arrays[Buf.WORK])
+            for part, (start, piece) in enumerate(_slices(buffer, comm.settings.slice_bytes)):
+                schedule = chain.broadcast(
+                    comm.rank,
+                    comm.size,
+                    root,
+                    piece.count,
+                    buffer.dtype.itemsize,
+                    comm.settings.segment_bytes,
+                )
+                arrays = comm.scratch_arrays(schedule, piece, buffer.dtype.storage)
+                with _slice_failure_note(start, buffer.count):
+                    comm.execute(desc, schedule, arrays, reducer, sub=part)
+                if schedule.result is not None:
+                    np.copyto(piece.array, arrays[Buf.WORK])
         return obj
 
     details = {"dtype": buffer.dtype.name, "count": buffer.count, "root": root}
     return Plan("broadcast", run, nbytes=buffer.nbytes, details=details)
+
+
+def _slices(buffer: Buffer, slice_bytes: int) -> list[tuple[int, Buffer]]:
+    """``(first element, piece)`` per slice of at most ``slice_bytes`` (one piece if it fits).
+
+    Scratch memory follows the slice, not the buffer: a 1 GiB allreduce needs
+    one slice's worth. Each slice is a complete collective whose result is
+    written only once it succeeded (see :func:`_slice_failure_note`).
+    """
+    limit = max(1, slice_bytes // buffer.dtype.itemsize)
+    if buffer.count <= limit:
+        return [(0, buffer)]
+    per_slice = -(-buffer.count // -(-buffer.count // limit))  # equal slices: no short last one
+    return [
+        (start, dataclasses.replace(buffer, array=buffer.array[start : start + per_slice]))
+        for start in range(0, buffer.count, per_slice)
+    ]
+
+
+@contextlib.contextmanager
+def _slice_failure_note(start: int, count: int) -> Iterator[None]:
+    """If the slice starting at ``start`` fails, say that the earlier slices already hold results."""
+    try:
+        yield
+    except BaseException as err:
+        if start:
+            err.add_note(
+                f"ringcore: elements [0, {start}) of {count} already hold the result (large buffers "
+                "are reduced slice by slice, RINGCORE_SLICE_BYTES); the rest are untouched"
+            )
+        raise
 
 
 def _host_only(buffer: Buffer, what: str) -> Buffer:

@@ -11,7 +11,8 @@ disagree) first tells every peer (an ABORT frame with the reason), so all
 ranks fail promptly with an error that names the culprit, then marks the
 communicator broken: later calls raise :class:`CommunicatorClosed` until
 ``shutdown()`` and a new ``init()``. The caller's buffer is written only after
-a collective succeeded, so a failure leaves it untouched.
+a collective succeeded, so a failure leaves it untouched (per slice for
+buffers above ``RINGCORE_SLICE_BYTES``, see :mod:`ringcore.collectives`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ringcore.ops import Compression, ReduceOp
 from ringcore.stall import Progress, StallInspector
 from ringcore.store import StoreClient, StoreServer
 from ringcore.timeline import Timeline, rank_path
+from ringcore.transport import wire
 from ringcore.transport.base import FrameMismatch, PeerAborted, Transport
 from ringcore.transport.wire import ProtocolError
 
@@ -140,7 +142,9 @@ class Communicator:
         Raises:
             TypeError, ValueError: bad arguments (before anything is sent).
             MismatchError, PeerFailure, CollectiveTimeout: see ``ringcore.errors``;
-                ``buf`` is then untouched (never half reduced).
+                ``buf`` is then untouched (never half reduced); above
+                ``RINGCORE_SLICE_BYTES`` the error's note says which leading
+                slices already hold the result.
         """
         return self._call(collectives.plan_allreduce(buf, op, compression, self.size), name)
 
@@ -339,8 +343,8 @@ class Communicator:
     ) -> None:
         """Run one schedule; on failure, tell the peers, break the communicator and raise.
 
-        ``sub`` numbers the schedules of one collective (allgather runs two), so
-        their frames carry different tags. With ``staging``, ``arrays`` are
+        ``sub`` numbers the schedules of one collective (allgather's two, a large
+        allreduce's slices), so their frames carry different tags. With ``staging``, ``arrays`` are
         device arrays and the staged executor runs the schedule; one-segment
         schedules that leave the caller's buffer alone run in lockstep
         (:mod:`ringcore.algo.lockstep`), the rest on the pipelined Executor.
@@ -356,7 +360,7 @@ class Communicator:
                 schedule,
                 arrays,
                 reducer,
-                desc.seq * 2 + sub,
+                wire.tag_seq(desc.seq, sub),
                 desc.signature(),
                 self.settings.timeout,
                 staging,
@@ -368,7 +372,7 @@ class Communicator:
                 schedule,
                 arrays,
                 reducer,
-                desc.seq * 2 + sub,
+                wire.tag_seq(desc.seq, sub),
                 desc.signature(),
                 self.settings.timeout,
                 interrupt=self.stall.interruption if self.stall is not None else None,
@@ -379,7 +383,7 @@ class Communicator:
                 schedule,
                 arrays,
                 reducer,
-                desc.seq * 2 + sub,
+                wire.tag_seq(desc.seq, sub),
                 desc.signature(),
                 self.settings.timeout,
                 timeline=self.timeline if desc.seq else None,  # #0 is init's barrier, not the user's

@@ -53,6 +53,7 @@ class Settings:
     channels: int = 1
     segment_bytes: int = 512 * KIB
     small_bytes: int = 64 * KIB
+    slice_bytes: int = 48 * MIB  # larger allreduces and broadcasts run slice by slice (bounded scratch)
     socket_buffer: int = 4 * MIB
     spin_us: int | None = None  # busy-poll before sleeping; None: auto (see spin_seconds)
     log_level: str = "WARNING"
@@ -89,6 +90,7 @@ class Settings:
             channels=reader.int("RINGCORE_CHANNELS", cls.channels, minimum=1, maximum=64),
             segment_bytes=reader.size("RINGCORE_SEGMENT_BYTES", cls.segment_bytes, minimum=4 * KIB),
             small_bytes=reader.size("RINGCORE_SMALL_BYTES", cls.small_bytes, minimum=0),
+            slice_bytes=reader.size("RINGCORE_SLICE_BYTES", cls.slice_bytes, minimum=64 * KIB),
             socket_buffer=reader.size("RINGCORE_SOCKET_BUFFER", cls.socket_buffer, minimum=0),
             spin_us=_spin(env.get("RINGCORE_SPIN_US", "auto")),
             log_level=env.get("RINGCORE_LOG_LEVEL", cls.log_level).upper(),

@@ -808,3 +808,36 @@ def repeated_allreduce(comm: Any, count: int, rounds: int) -> dict[str, Any]:
         comm.allreduce(buf)
     expected = (comm.size * (comm.size + 1) // 2) * comm.size**rounds
     return {"first": first, "after": comm.transport.cache.registrations, "ok": bool((buf == expected).all())}
+
+
+def sliced_allreduce_until_failure(comm: Any, count: int, max_rounds: int) -> dict[str, Any]:
+    """Allreduce (sum) a buffer reduced in several slices until a collective fails.
+
+    Reports whether what the failure left matches its promise: the elements
+    the error's note says are done hold the sum of every rank's input (each
+    rank's input is rebuilt here from its seed), the rest are the caller's.
+    """
+    import re
+
+    inputs = [np.random.default_rng(r).standard_normal(count, dtype=np.float32) for r in range(comm.size)]
+    want = np.sum(inputs, axis=0, dtype=np.float64)
+    original = inputs[comm.rank]
+    buf = np.empty_like(original)
+    for rounds in range(max_rounds):
+        np.copyto(buf, original)
+        try:
+            comm.allreduce(buf)
+        except Exception as err:
+            notes = " ".join(getattr(err, "__notes__", []))
+            match = re.search(r"elements \[0, (\d+)\)", notes)
+            done = int(match.group(1)) if match else 0
+            return {
+                "error": _qualified(err),
+                "rounds": rounds,
+                "done": done,
+                "done_reduced": bool(np.allclose(buf[:done], want[:done], rtol=1e-5, atol=1e-4)),
+                "rest_untouched": bool(np.array_equal(buf[done:], original[done:])),
+            }
+        if not np.allclose(buf, want, rtol=1e-5, atol=1e-4):
+            return {"error": "wrong result", "rounds": rounds}
+    return {"error": "no error", "rounds": max_rounds}

@@ -73,11 +73,27 @@ def decode_abort(payload: bytes) -> dict[str, Any]:
     return reason if isinstance(reason, dict) else {"message": str(reason)[:200]}
 
 
+PART_BITS = 8  # low bits of a tag's sequence field: which schedule of the collective
+
+
+def tag_seq(collective: int, part: int) -> int:
+    """The tag's 32-bit sequence field for schedule ``part`` of collective ``collective``.
+
+    One collective may run several schedules (allgather's count exchange, the
+    slices of a large allreduce); each gets its own tags. The field wraps
+    after 2**24 collectives, which only ever meets long-finished ones.
+    """
+    return ((collective << PART_BITS) | (part & ((1 << PART_BITS) - 1))) & 0xFFFFFFFF
+
+
 def make_tag(seq: int, step: int, segment: int) -> int:
-    """64-bit tag: collective sequence (32 bits), step (12 bits), segment (20 bits)."""
+    """64-bit tag: sequence field (32 bits, see ``tag_seq``), step (12 bits), segment (20 bits)."""
     return ((seq & 0xFFFFFFFF) << 32) | ((step & 0xFFF) << 20) | (segment & 0xFFFFF)
 
 
 def describe_tag(tag: int) -> str:
-    """Human-readable ``collective #seq step s segment k``."""
-    return f"collective #{tag >> 32} step {(tag >> 20) & 0xFFF} segment {tag & 0xFFFFF}"
+    """Human-readable ``collective #n [part p] step s segment k``."""
+    field = tag >> 32
+    part = field & ((1 << PART_BITS) - 1)
+    where = f"collective #{field >> PART_BITS}" + (f" part {part}" if part else "")
+    return f"{where} step {(tag >> 20) & 0xFFF} segment {tag & 0xFFFFF}"

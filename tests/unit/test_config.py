@@ -30,6 +30,7 @@ def test_every_variable_is_read() -> None:
         "RINGCORE_SEGMENT_BYTES": "4M",
         "RINGCORE_SMALL_BYTES": "512K",
         "RINGCORE_SOCKET_BUFFER": "0",
+        "RINGCORE_SLICE_BYTES": "16M",
         "RINGCORE_LOG_LEVEL": "debug",
     }
     s = Settings.from_env(env)
@@ -37,6 +38,7 @@ def test_every_variable_is_read() -> None:
     assert (s.addr, s.port, s.ifname) == ("10.0.0.7", 4711, "eth1")
     assert (s.timeout, s.init_timeout, s.channels) == (2.5, 30.0, 4)
     assert (s.segment_bytes, s.small_bytes, s.socket_buffer) == (4 * MIB, 512 * KIB, 0)
+    assert s.slice_bytes == 16 * MIB
     assert s.log_level == "DEBUG"
 
 
@@ -90,6 +92,7 @@ def test_parse_size_rejects_garbage_with_config_error(text: str) -> None:
         ("RINGCORE_SEGMENT_BYTES", "big"),
         ("RINGCORE_SMALL_BYTES", "-5"),
         ("RINGCORE_SOCKET_BUFFER", "4Q"),
+        ("RINGCORE_SLICE_BYTES", "4K"),  # below the 64 KiB minimum
         ("RINGCORE_SPIN_US", "fast"),
         ("RINGCORE_SPIN_US", "-1"),
         ("RINGCORE_SPIN_US", "2000000"),

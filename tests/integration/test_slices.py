@@ -1,0 +1,78 @@
+"""Buffers larger than RINGCORE_SLICE_BYTES: reduced slice by slice, scratch bounded by the slice.
+
+Real processes over TCP with a 64 KiB slice, so a few hundred KiB make many
+slices; results against numpy, and what a failure in the middle leaves behind.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import ringcore
+from ringcore.buffers import as_buffer
+from ringcore.collectives import _slice_failure_note, _slices
+from tests import tasks
+from tests.cluster import Background, Cluster, RankError, qualified
+
+SLICED = {"RINGCORE_SLICE_BYTES": "64K", "RINGCORE_TIMEOUT": "20"}
+COUNT = 100_003  # float32: 7 equal slices (within 7 elements) of at most 64 KiB
+
+
+def test_slices_are_equal_and_cover_the_buffer() -> None:
+    buffer = as_buffer(np.zeros(COUNT, np.float32), writable=True)
+    pieces = _slices(buffer, 64 * 1024)
+    assert [start for start, _ in pieces] == list(range(0, COUNT, 14_287))  # 7 slices of <= 16384
+    assert sum(piece.count for _, piece in pieces) == COUNT
+    assert max(p.count for _, p in pieces) - min(p.count for _, p in pieces) <= 7
+    assert all(np.shares_memory(piece.array, buffer.array) for _, piece in pieces)
+    assert _slices(buffer, 1 << 30) == [(0, buffer)]
+
+
+def test_a_failed_slice_notes_what_is_already_done() -> None:
+    with pytest.raises(ringcore.PeerFailure) as info, _slice_failure_note(500, 1000):
+        raise ringcore.PeerFailure("rank 1 died", 1, "host")
+    assert "elements [0, 500) of 1000 already hold the result" in " ".join(info.value.__notes__)
+    with pytest.raises(ValueError) as first, _slice_failure_note(0, 1000):
+        raise ValueError("slice 0 failed")
+    assert not getattr(first.value, "__notes__", None)  # nothing was written yet: no note
+
+
+@pytest.mark.timeout(120)
+def test_sliced_collectives_match_numpy() -> None:
+    rng = np.random.default_rng(3)
+    floats = [rng.standard_normal(COUNT).astype(np.float32) for _ in range(3)]
+    ints = [rng.integers(-1000, 1000, COUNT).astype(np.int32) for _ in range(3)]
+    with Cluster(3, env=SLICED) as cluster:
+        summed = cluster.run(tasks.allreduce, ints, "sum", timeout=60)
+        averaged = cluster.run(tasks.allreduce, floats, "avg", "fp16", timeout=60)
+        broadcast = cluster.run(tasks.broadcast, floats, 2, timeout=60)
+    for got in summed:
+        np.testing.assert_array_equal(got, np.sum(ints, axis=0, dtype=np.int32))
+    want = np.mean(np.asarray(floats, np.float64), axis=0)
+    for got in averaged:
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+        assert got.tobytes() == averaged[0].tobytes()
+    for got in broadcast:
+        assert got.tobytes() == floats[2].tobytes()
+
+
+@pytest.mark.timeout(120)
+def test_killed_peer_mid_slices_leaves_done_slices_reduced_and_the_rest_untouched() -> None:
+    count = 2_000_000  # 8 MB: ~122 slices of 64 KiB, each a few ms
+    with Cluster(3, env=SLICED) as cluster:
+        doomed = Background(cluster, tasks.sliced_allreduce_until_failure, count, 1000, ranks=[2], timeout=90)
+        working = Background(
+            cluster, tasks.sliced_allreduce_until_failure, count, 1000, ranks=[0, 1], timeout=90
+        )
+        time.sleep(1.0)
+        cluster.kill(2)
+        reports = working.join(60)
+        doomed.join(30)
+    for rank, report in enumerate(reports):
+        assert not isinstance(report, RankError), (rank, report)
+        assert report["error"] == qualified(ringcore.PeerFailure), (rank, report)
+        assert report["done_reduced"] and report["rest_untouched"], (rank, report)
+    print("elements done when the peer died:", [r["done"] for r in reports])
