@@ -88,7 +88,9 @@ def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
         elif comm.size > 1:
             reducer = comm.reducer(buffer.dtype, reduce_op, comp)
             in_place = reducer.wire_dtype == buffer.dtype.storage
-            for part, (start, piece) in enumerate(_slices(buffer, comm.settings.slice_bytes)):
+            for part, (start, piece) in enumerate(
+                _slices(buffer, comm.settings.slice_bytes, reducer.wire_dtype.itemsize)
+            ):
                 schedule = allreduce_schedule(comm, piece.count, reducer.wire_dtype.itemsize, in_place)
                 arrays = comm.scratch_arrays(schedule, piece, reducer.wire_dtype)
                 if schedule.prefill_work:
@@ -128,7 +130,9 @@ def plan_broadcast(obj: Any, root: int, rank: int, size: int) -> Plan:
             plans.broadcast(comm, desc, buffer, root)
         elif comm.size > 1:
             reducer = comm.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
-            for part, (start, piece) in enumerate(_slices(buffer, comm.settings.slice_bytes)):
+            for part, (start, piece) in enumerate(
+                _slices(buffer, comm.settings.slice_bytes, buffer.dtype.itemsize)
+            ):
                 schedule = chain.broadcast(
                     comm.rank,
                     comm.size,
@@ -148,14 +152,15 @@ def plan_broadcast(obj: Any, root: int, rank: int, size: int) -> Plan:
     return Plan("broadcast", run, nbytes=buffer.nbytes, details=details)
 
 
-def _slices(buffer: Buffer, slice_bytes: int) -> list[tuple[int, Buffer]]:
-    """``(first element, piece)`` per slice of at most ``slice_bytes`` (one piece if it fits).
+def _slices(buffer: Buffer, slice_bytes: int, wire_itemsize: int) -> list[tuple[int, Buffer]]:
+    """``(first element, piece)`` per slice whose scratch fits ``slice_bytes`` (one piece if all fits).
 
-    Scratch memory follows the slice, not the buffer: a 1 GiB allreduce needs
-    one slice's worth. Each slice is a complete collective whose result is
-    written only once it succeeded (see :func:`_slice_failure_note`).
+    Scratch is in the wire dtype (half the caller's bytes with fp16
+    compression), and it follows the slice, not the buffer: a 1 GiB allreduce
+    needs one slice's worth. Each slice is a complete collective whose result
+    is written only once it succeeded (see :func:`_slice_failure_note`).
     """
-    limit = max(1, slice_bytes // buffer.dtype.itemsize)
+    limit = max(1, slice_bytes // wire_itemsize)
     if buffer.count <= limit:
         return [(0, buffer)]
     per_slice = -(-buffer.count // -(-buffer.count // limit))  # equal slices: no short last one

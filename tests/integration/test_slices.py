@@ -23,12 +23,13 @@ COUNT = 100_003  # float32: 7 equal slices (within 7 elements) of at most 64 KiB
 
 def test_slices_are_equal_and_cover_the_buffer() -> None:
     buffer = as_buffer(np.zeros(COUNT, np.float32), writable=True)
-    pieces = _slices(buffer, 64 * 1024)
+    pieces = _slices(buffer, 64 * 1024, 4)
     assert [start for start, _ in pieces] == list(range(0, COUNT, 14_287))  # 7 slices of <= 16384
     assert sum(piece.count for _, piece in pieces) == COUNT
     assert max(p.count for _, p in pieces) - min(p.count for _, p in pieces) <= 7
     assert all(np.shares_memory(piece.array, buffer.array) for _, piece in pieces)
-    assert _slices(buffer, 1 << 30) == [(0, buffer)]
+    assert _slices(buffer, 1 << 30, 4) == [(0, buffer)]
+    assert len(_slices(buffer, 64 * 1024, 2)) == 4  # fp16 on the wire: scratch is half as long
 
 
 def test_a_failed_slice_notes_what_is_already_done() -> None:
