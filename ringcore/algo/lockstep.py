@@ -11,7 +11,13 @@ receive, progress the transport until both are done, then combine. One step
 never overlaps the next, so no region can be written while a send still
 reads it and no conflict tracking is needed. The frames are exactly the
 Executor's (same tags, same connection, same order, same checks), so a rank
-running this and a rank running the Executor agree.
+running this and a rank running the Executor agree. One exception to "in
+order", as in the Executor: empty receives (acknowledgements, barrier rounds)
+that are first on their connection are posted before the first step. Over
+RDMA a posted receive announces itself (with the collective's signature) to
+the sender, so a peer that disagrees (e.g. on a broadcast's root, and so
+never receives from this rank) learns of it at once instead of both waiting
+until the timeout.
 
 What it does not do, so :func:`fits` sends those schedules to the Executor:
 pipelining (more than one segment), writing the caller's buffer (in-place
@@ -51,6 +57,7 @@ class Compiled:
     steps: tuple[tuple[int, Frame | None, Frame | None, tuple[Key, Key, Key] | None, bool], ...]
     eligible: bool  # one segment, never writes USER
     sends_user: bool  # some step sends straight from USER (needs WORK in the same dtype)
+    early: tuple[int, ...]  # steps whose (empty) receive is posted before the first step
 
 
 # transport -> id(schedule) -> (schedule, compiled); holding the schedule keeps its id unique.
@@ -78,7 +85,9 @@ def _compile(schedule: Schedule, transport: Transport) -> Compiled:
     steps: list[tuple[int, Frame | None, Frame | None, tuple[Key, Key, Key] | None, bool]] = []
     eligible = schedule.segments == 1
     sends_user = False
-    for step in schedule.steps:
+    early: list[int] = []
+    receiving_from: set[tuple[int, int]] = set()  # routes some earlier step receives on
+    for index, step in enumerate(schedule.steps):
         send = recv = None
         if step.send is not None:
             send = (step.send_peer, transport.route(step.send_peer, 0), key(step.send))
@@ -86,10 +95,13 @@ def _compile(schedule: Schedule, transport: Transport) -> Compiled:
         if step.recv is not None:
             recv = (step.recv_peer, transport.route(step.recv_peer, 0), key(step.recv))
             eligible = eligible and step.recv.buf != Buf.USER
+            if step.recv.count == 0 and recv[:2] not in receiving_from:
+                early.append(index)
+            receiving_from.add(recv[:2])
         eligible = eligible and not step.commit
         reduce = (key(step.reduce[0]), key(step.reduce[1]), key(step.reduce[2])) if step.reduce else None
         steps.append((wire.make_tag(0, step.phase, 0), send, recv, reduce, step.final))
-    return Compiled(tuple(steps), eligible, sends_user)
+    return Compiled(tuple(steps), eligible, sends_user, tuple(early))
 
 
 def fits(schedule: Schedule, transport: Transport, arrays: dict[Buf, np.ndarray]) -> bool:
@@ -137,17 +149,15 @@ class LockstepExecutor:
     def _run(self) -> None:
         transport, signature, seq_bits, arrays = self.transport, self.signature, self.seq_bits, self.arrays
         transport.expect(seq_bits >> 32, signature)
-        for tag_bits, send, recv, reduce, final in self.compiled.steps:
-            tag = seq_bits | tag_bits
+        posted = {index: self._receive(index) for index in self.compiled.early}
+        for index, (tag_bits, send, recv, reduce, final) in enumerate(self.compiled.steps):
             sent = received = None
             if send is not None:
                 peer, channel, (buf, lo, hi) = send
                 view = memoryview(arrays[buf][lo:hi]).cast("B")
-                sent = transport.isend(peer, channel, tag, signature, view)
+                sent = transport.isend(peer, channel, seq_bits | tag_bits, signature, view)
             if recv is not None:
-                peer, channel, (buf, lo, hi) = recv
-                view = memoryview(arrays[buf][lo:hi]).cast("B")
-                received = transport.irecv(peer, channel, tag, signature, view)
+                received = posted[index] if index in posted else self._receive(index)
             if not ((sent is None or sent.done) and (received is None or received.done)):
                 self._wait(sent, received)
             if reduce is not None:
@@ -158,6 +168,13 @@ class LockstepExecutor:
                     arrays[b[0]][b[1] : b[2]],
                     final,
                 )
+
+    def _receive(self, index: int) -> Request:
+        tag_bits, _, recv, _, _ = self.compiled.steps[index]
+        assert recv is not None
+        peer, channel, (buf, lo, hi) = recv
+        view = memoryview(self.arrays[buf][lo:hi]).cast("B")
+        return self.transport.irecv(peer, channel, self.seq_bits | tag_bits, self.signature, view)
 
     def _wait(self, sent: Request | None, received: Request | None) -> None:
         transport = self.transport

@@ -7,6 +7,8 @@ must refuse the schedules it cannot run safely.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -19,6 +21,7 @@ from ringcore.buffers import DTYPES
 from ringcore.errors import CollectiveTimeout
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
+from ringcore.transport.base import FrameMismatch
 from ringcore.transport.loopback import LoopbackNetwork
 from tests.unit.test_executor import RUN_TIMEOUT, SIGNATURE, int_inputs, reference, run_ranks, scratch_arrays
 
@@ -137,3 +140,37 @@ def test_a_silent_peer_times_out_naming_it() -> None:
     executor = LockstepExecutor(network.transport(0), schedule, arrays, reducer, 9, SIGNATURE, 0.3)
     with pytest.raises(CollectiveTimeout, match="rank 1"):
         executor.run()
+
+
+def test_disagreeing_broadcast_roots_are_caught_over_rdma() -> None:
+    """Rank 0 thinks it is the root, ranks 1-2 think rank 1 is: rank 1 never receives from rank 0.
+
+    Over RDMA a send waits for the receiver's announcement, so only rank 0's early-posted
+    acknowledgement receive (announced with its signature) lets rank 1 see the disagreement;
+    without it every rank would wait for the timeout.
+    """
+    from tests.conformance.test_transport import rdma_fake_mesh
+
+    transports = rdma_fake_mesh(3, 1)
+    roots = [0, 1, 1]
+    errors: list[BaseException | None] = [None] * 3
+
+    def body(rank: int) -> None:
+        schedule = chain.broadcast(rank, 3, roots[rank], 16, 4, SEGMENT)
+        arrays = scratch_arrays(schedule, np.zeros(16, np.int32), np.dtype(np.int32))
+        reducer = Reducer(DTYPES["int32"], ReduceOp.SUM, Compression.NONE, 3)
+        try:
+            LockstepExecutor(transports[rank], schedule, arrays, reducer, 4, 1000 + roots[rank], 3.0).run()
+        except BaseException as err:
+            errors[rank] = err
+
+    threads = [threading.Thread(target=body, args=(rank,), daemon=True) for rank in range(3)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        for transport in transports:
+            transport.close()
+    assert isinstance(errors[1], FrameMismatch) and errors[1].field == "signature", errors
