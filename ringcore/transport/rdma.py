@@ -195,6 +195,10 @@ class RdmaTransport:
     def expect(self, seq: int, signature: int) -> None:
         self.current = (seq & 0xFFFFFFFF, signature)
         self.control.expect(seq, signature)
+        for link in self.links:  # announcements that arrived during the previous collective
+            for ready in link.readies if not link.sends else ():
+                if ready.tag >> 32 == self.current[0] and ready.signature != signature:
+                    raise FrameMismatch(link.peer, "signature", signature, ready.signature)
 
     def route(self, peer: int, segment: int) -> int:
         channel = segment % self.channels

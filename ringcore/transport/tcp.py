@@ -220,7 +220,11 @@ class TcpTransport:
         self.spin = 0.0  # seconds to busy-poll before sleeping in poll (Settings.spin_seconds)
 
     def expect(self, seq: int, signature: int) -> None:
+        """Start collective ``seq``; a frame that arrived early may already show a disagreement."""
         self.current = (seq & 0xFFFFFFFF, signature)
+        for conn in self.conns.values():
+            if conn.early and not conn.recvs and not conn.hangup:
+                conn.check_idle(self.current)  # it was judged against the previous collective
 
     def conn(self, peer: int, channel: int) -> _Conn:
         conn = self.conns.get((peer, channel))

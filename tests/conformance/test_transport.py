@@ -432,3 +432,32 @@ def test_tcp_channels_beyond_zero_go_to_ring_neighbours(tcp: Callable[..., list]
     t = tcp(5, 3)
     assert {t[0].route(2, k) for k in range(6)} == {0}
     assert {t[0].route(1, k) for k in range(6)} == {0, 1, 2}
+
+
+@pytest.mark.parametrize("kind", ["tcp", "rdma-fake"])
+def test_an_early_frame_of_the_next_collective_is_checked_when_it_starts(kind: str) -> None:
+    """Rank 0 starts collective #6 while rank 1 is still in #5, and they disagree on #6.
+
+    Rank 1 never receives from rank 0 in #6 (e.g. they disagree on a broadcast's root), so
+    only the frame (TCP) or receive announcement (RDMA) that arrived during #5 can tell it:
+    starting #6 must judge it again, or both would wait for the timeout.
+    """
+    t = tcp_mesh(2, 1) if kind == "tcp" else rdma_fake_mesh(2, 1)
+    try:
+        data = np.ones(8, np.uint8)
+        out = np.zeros(8, np.uint8)
+        t[1].expect(5, SIG)
+        t[0].expect(6, 111)
+        if kind == "tcp":
+            t[0].isend(1, 0, wire.make_tag(6, 0, 0), 111, view(data))
+        else:
+            t[0].irecv(1, 0, wire.make_tag(6, 0, 0), 111, view(out))  # announced to rank 1
+        t[0].progress(0.1)
+        drive_for(t[1], 0.5)  # still in #5: nothing is wrong yet
+        with pytest.raises(FrameMismatch) as info:
+            t[1].expect(6, 222)
+            drive_for(t[1], 1.0)
+        assert info.value.field == "signature" and info.value.peer == 0
+    finally:
+        for transport in t:
+            transport.close()
