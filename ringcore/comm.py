@@ -352,43 +352,20 @@ class Communicator:
         if self.transport is None:
             raise RingcoreError("a world of size > 1 needs a transport")
         executor: Any
+        common = (self.transport, schedule, arrays, reducer, wire.tag_seq(desc.seq, sub), desc.signature())
+        timeout, interrupt = (
+            self.settings.timeout,
+            self.stall.interruption if self.stall is not None else None,
+        )
         if staging is not None:
             from ringcore.device.staging import StagedExecutor
 
-            executor = StagedExecutor(
-                self.transport,
-                schedule,
-                arrays,
-                reducer,
-                wire.tag_seq(desc.seq, sub),
-                desc.signature(),
-                self.settings.timeout,
-                staging,
-                interrupt=self.stall.interruption if self.stall is not None else None,
-            )
+            executor = StagedExecutor(*common, timeout, staging, interrupt=interrupt)
         elif (self.timeline is None or not desc.seq) and lockstep.fits(schedule, self.transport, arrays):
-            executor = LockstepExecutor(
-                self.transport,
-                schedule,
-                arrays,
-                reducer,
-                wire.tag_seq(desc.seq, sub),
-                desc.signature(),
-                self.settings.timeout,
-                interrupt=self.stall.interruption if self.stall is not None else None,
-            )
+            executor = LockstepExecutor(*common, timeout, interrupt=interrupt)
         else:
-            executor = Executor(
-                self.transport,
-                schedule,
-                arrays,
-                reducer,
-                wire.tag_seq(desc.seq, sub),
-                desc.signature(),
-                self.settings.timeout,
-                timeline=self.timeline if desc.seq else None,  # #0 is init's barrier, not the user's
-                interrupt=self.stall.interruption if self.stall is not None else None,
-            )
+            timeline = self.timeline if desc.seq else None  # #0 is init's barrier, not the user's
+            executor = Executor(*common, timeout, timeline=timeline, interrupt=interrupt)
         try:
             executor.run()
         except (FrameMismatch, PeerAborted, PeerFailure, CollectiveTimeout, ProtocolError) as err:

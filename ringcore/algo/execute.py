@@ -36,6 +36,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -70,26 +71,36 @@ class Program:
     done_upto: list[int]  # initial state: per segment, how many leading steps are done
 
 
-# transport -> id(schedule) -> (schedule, program); holding the schedule keeps its id unique.
-_programs: weakref.WeakKeyDictionary[object, dict[int, tuple[Schedule, Program]]] = (
-    weakref.WeakKeyDictionary()
-)
+T = TypeVar("T")
+# transport -> id(schedule) -> (schedule, compiled form); holding the schedule keeps its id unique.
+PerTransport = weakref.WeakKeyDictionary[object, dict[int, tuple[Schedule, T]]]
+_programs: PerTransport[Program] = weakref.WeakKeyDictionary()
 _CACHE_SIZE = 64
 
 
-def compile_program(schedule: Schedule, transport: Transport) -> Program:
-    """Unroll ``schedule`` for ``transport``, cached per transport and schedule object.
+def cached_per_transport(
+    cache: PerTransport[T],
+    schedule: Schedule,
+    transport: Transport,
+    build: Callable[[Schedule, Transport], T],
+) -> T:
+    """``build(schedule, transport)``, kept per transport and schedule object (at most 64 each).
 
     The schedule builders are memoized, so repeated collectives of the same
     shape hit this cache without hashing the schedule.
     """
-    cache = _programs.setdefault(transport, {})
-    entry = cache.get(id(schedule))
+    entries = cache.setdefault(transport, {})
+    entry = entries.get(id(schedule))
     if entry is None:
-        if len(cache) >= _CACHE_SIZE:
-            cache.pop(next(iter(cache)))
-        entry = cache[id(schedule)] = (schedule, _unroll(schedule, transport))
+        if len(entries) >= _CACHE_SIZE:
+            entries.pop(next(iter(entries)))
+        entry = entries[id(schedule)] = (schedule, build(schedule, transport))
     return entry[1]
+
+
+def compile_program(schedule: Schedule, transport: Transport) -> Program:
+    """Unroll ``schedule`` for ``transport`` (cached, see ``cached_per_transport``)."""
+    return cached_per_transport(_programs, schedule, transport, _unroll)
 
 
 def _unroll(schedule: Schedule, transport: Transport) -> Program:

@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ringcore.algo.execute import PerTransport, cached_per_transport
 from ringcore.algo.steps import Buf, Region, Schedule
 from ringcore.errors import CollectiveTimeout
 from ringcore.kernels.numpy_ops import Reducer
@@ -60,22 +61,12 @@ class Compiled:
     early: tuple[int, ...]  # steps whose (empty) receive is posted before the first step
 
 
-# transport -> id(schedule) -> (schedule, compiled); holding the schedule keeps its id unique.
-_compiled: weakref.WeakKeyDictionary[object, dict[int, tuple[Schedule, Compiled]]] = (
-    weakref.WeakKeyDictionary()
-)
-_CACHE_SIZE = 64
+_compiled: PerTransport[Compiled] = weakref.WeakKeyDictionary()
 
 
 def compile_steps(schedule: Schedule, transport: Transport) -> Compiled:
     """Work ``schedule`` out for ``transport``, cached like the Executor's programs."""
-    cache = _compiled.setdefault(transport, {})
-    entry = cache.get(id(schedule))
-    if entry is None:
-        if len(cache) >= _CACHE_SIZE:
-            cache.pop(next(iter(cache)))
-        entry = cache[id(schedule)] = (schedule, _compile(schedule, transport))
-    return entry[1]
+    return cached_per_transport(_compiled, schedule, transport, _compile)
 
 
 def _compile(schedule: Schedule, transport: Transport) -> Compiled:
