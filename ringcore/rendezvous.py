@@ -32,7 +32,9 @@ __all__ = ["StoreClient", "StoreServer", "WorldSpec", "discover", "interface_add
 
 log = logging.getLogger("ringcore")
 
-_PORT_BASE, _PORT_SPAN = 29500, 20000
+# Derived store ports stay below Linux's default ephemeral range (32768-60999), so a
+# connection's local port elsewhere on the host cannot already hold the one a job derives.
+_PORT_BASE, _PORT_SPAN = 20000, 32768 - 20000
 
 
 # --------------------------------------------------------------------------- discovery

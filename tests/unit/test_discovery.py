@@ -137,3 +137,25 @@ def test_derived_port_stays_inside_the_port_range() -> None:
             "OMPI_MCA_ess_base_jobid": job,
         }
         assert 40000 <= discover(settings, env).port <= 40010
+
+
+def test_derived_port_avoids_the_ephemeral_range() -> None:
+    """Without a range, derived ports sit below the host's ephemeral ports.
+
+    A port in the ephemeral range can already be the local end of some other
+    connection on the host, and then rank 0 cannot serve the store there.
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except OSError:
+        ephemeral_low = 32768  # Linux's default
+    settings = Settings.from_env({})
+    for job in range(200):
+        env = {
+            "OMPI_COMM_WORLD_RANK": "0",
+            "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "OMPI_MCA_ess_base_jobid": str(job),
+        }
+        assert 1024 <= discover(settings, env).port < ephemeral_low
