@@ -5,16 +5,19 @@ Each ``plan_*`` function runs in the caller's thread and raises
 :class:`Plan`, whose ``run`` is executed later, in order, by the
 communicator: it builds the schedule, runs it, and only then writes the
 result into the caller's buffer (the *commit*), or, for the in-place ring,
-lets the executor write it there with every overwritten region backed up and
-restored on failure. Either way a failed collective leaves the caller's
-buffer untouched; a successful one leaves it fully reduced.
+lets the executor write it there as segments arrive. A collective that
+succeeds leaves the buffer fully reduced. One that fails leaves it untouched,
+except the in-place ring's when a peer dies or stalls mid-run: that can leave
+partial sums, as Gloo, NCCL and MPI do, unless ``RINGCORE_ATOMIC=1`` makes
+the executor back up what it overwrites and restore it (one more copy of the
+buffer). The error's note names the elements that may hold partial sums.
 
 Large buffers. Scratch (WORK, STAGE) is as long as the buffer, so an
 allreduce or broadcast of more than ``RINGCORE_SLICE_BYTES`` runs as a
 sequence of complete collectives over equal slices (tags numbered by slice),
-which bounds scratch memory by the slice. The all-or-nothing promise then
-holds per slice: a failure in slice k leaves slices before it reduced, and
-its error carries a note saying so.
+which bounds scratch memory by the slice. A failure in slice k leaves slices
+before it reduced and those after it untouched, and its error's note says
+so.
 
 GPU buffers (``Buffer.device == "cuda"``) take the same plans up to the run,
 which hands them to :mod:`ringcore.device.plans` (allreduce and broadcast;
@@ -35,6 +38,7 @@ from ringcore.algo import recursive_doubling, ring
 from ringcore.algo.steps import Buf, Schedule, chunk_bounds
 from ringcore.buffers import DTYPES, Buffer, as_buffer
 from ringcore.descriptor import Descriptor
+from ringcore.errors import MismatchError
 from ringcore.ops import Compression, ReduceOp
 
 if TYPE_CHECKING:
@@ -95,7 +99,8 @@ def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
                 arrays = comm.scratch_arrays(schedule, piece, reducer.wire_dtype)
                 if schedule.prefill_work:
                     reducer.convert(arrays[Buf.WORK], piece.array)
-                with _slice_failure_note(start, buffer.count):
+                exposed = piece.count if writes_user(schedule) and not comm.settings.atomic else 0
+                with failure_note(start, exposed, buffer.count):
                     comm.execute(desc, schedule, arrays, reducer, sub=part)
                 if schedule.result is not None and schedule.result.buf != Buf.USER:
                     reducer.convert(piece.array, arrays[Buf.WORK])
@@ -142,7 +147,7 @@ def plan_broadcast(obj: Any, root: int, rank: int, size: int) -> Plan:
                     comm.settings.segment_bytes,
                 )
                 arrays = comm.scratch_arrays(schedule, piece, buffer.dtype.storage)
-                with _slice_failure_note(start, buffer.count):
+                with failure_note(start, 0, buffer.count):
                     comm.execute(desc, schedule, arrays, reducer, sub=part)
                 if schedule.result is not None:
                     np.copyto(piece.array, arrays[Buf.WORK])
@@ -158,7 +163,7 @@ def _slices(buffer: Buffer, slice_bytes: int, wire_itemsize: int) -> list[tuple[
     Scratch is in the wire dtype (half the caller's bytes with fp16
     compression), and it follows the slice, not the buffer: a 1 GiB allreduce
     needs one slice's worth. Each slice is a complete collective whose result
-    is written only once it succeeded (see :func:`_slice_failure_note`).
+    is written as described in the module docstring (see :func:`failure_note`).
     """
     limit = max(1, slice_bytes // wire_itemsize)
     if buffer.count <= limit:
@@ -170,17 +175,37 @@ def _slices(buffer: Buffer, slice_bytes: int, wire_itemsize: int) -> list[tuple[
     ]
 
 
+def writes_user(schedule: Schedule) -> bool:
+    """Whether the executor writes the caller's buffer while it runs (the in-place ring)."""
+    return bool(schedule.steps) and schedule.result is not None and schedule.result.buf == Buf.USER
+
+
 @contextlib.contextmanager
-def _slice_failure_note(start: int, count: int) -> Iterator[None]:
-    """If the slice starting at ``start`` fails, say that the earlier slices already hold results."""
+def failure_note(start: int, exposed: int, count: int) -> Iterator[None]:
+    """On failure, note which of the buffer's ``count`` elements hold what.
+
+    ``start``: earlier slices are done; ``exposed``: how many elements from
+    ``start`` on the failed run may have written (0 when it writes only after
+    success, or with ``RINGCORE_ATOMIC=1``); the rest are untouched. Ranks
+    that disagree fail before any reduced data reaches the buffer.
+    """
     try:
         yield
     except BaseException as err:
+        if isinstance(err, MismatchError):
+            exposed = 0
         if start:
             err.add_note(
                 f"ringcore: elements [0, {start}) of {count} already hold the result (large buffers "
-                "are reduced slice by slice, RINGCORE_SLICE_BYTES); the rest are untouched"
+                "are reduced slice by slice, RINGCORE_SLICE_BYTES)"
             )
+        if exposed:
+            err.add_note(
+                f"ringcore: elements [{start}, {start + exposed}) of {count} may hold partial sums "
+                "(set RINGCORE_ATOMIC=1 to have a failed allreduce restore them)"
+            )
+        if (start or exposed) and start + exposed < count:
+            err.add_note("ringcore: the other elements are untouched")
         raise
 
 

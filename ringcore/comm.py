@@ -10,9 +10,11 @@ Failure. A collective that fails (a peer died, timed out, or the ranks
 disagree) first tells every peer (an ABORT frame with the reason), so all
 ranks fail promptly with an error that names the culprit, then marks the
 communicator broken: later calls raise :class:`CommunicatorClosed` until
-``shutdown()`` and a new ``init()``. The caller's buffer is written only after
-a collective succeeded, so a failure leaves it untouched (per slice for
-buffers above ``RINGCORE_SLICE_BYTES``, see :mod:`ringcore.collectives`).
+``shutdown()`` and a new ``init()``. A failure before any data moved (bad
+arguments, ranks that disagree) leaves the caller's buffer untouched. A peer
+that dies mid-allreduce can leave it partly reduced, as with Gloo and NCCL,
+unless ``RINGCORE_ATOMIC=1`` (one more copy of the buffer per allreduce); the
+error's note says which elements (see :mod:`ringcore.collectives`).
 """
 
 from __future__ import annotations
@@ -141,10 +143,11 @@ class Communicator:
 
         Raises:
             TypeError, ValueError: bad arguments (before anything is sent).
-            MismatchError, PeerFailure, CollectiveTimeout: see ``ringcore.errors``;
-                ``buf`` is then untouched (never half reduced); above
-                ``RINGCORE_SLICE_BYTES`` the error's note says which leading
-                slices already hold the result.
+            MismatchError, PeerFailure, CollectiveTimeout: see ``ringcore.errors``.
+                After a mismatch ``buf`` is untouched. After a peer failure or
+                timeout the error's note says which elements may be partly
+                reduced (none with ``RINGCORE_ATOMIC=1``) and, above
+                ``RINGCORE_SLICE_BYTES``, which already hold the result.
         """
         return self._call(collectives.plan_allreduce(buf, op, compression, self.size), name)
 
@@ -353,19 +356,20 @@ class Communicator:
             raise RingcoreError("a world of size > 1 needs a transport")
         executor: Any
         common = (self.transport, schedule, arrays, reducer, wire.tag_seq(desc.seq, sub), desc.signature())
-        timeout, interrupt = (
+        timeout, interrupt, atomic = (
             self.settings.timeout,
             self.stall.interruption if self.stall is not None else None,
+            self.settings.atomic,
         )
         if staging is not None:
             from ringcore.device.staging import StagedExecutor
 
-            executor = StagedExecutor(*common, timeout, staging, interrupt=interrupt)
+            executor = StagedExecutor(*common, timeout, staging, interrupt=interrupt, atomic=atomic)
         elif (self.timeline is None or not desc.seq) and lockstep.fits(schedule, self.transport, arrays):
             executor = LockstepExecutor(*common, timeout, interrupt=interrupt)
         else:
             timeline = self.timeline if desc.seq else None  # #0 is init's barrier, not the user's
-            executor = Executor(*common, timeout, timeline=timeline, interrupt=interrupt)
+            executor = Executor(*common, timeout, timeline=timeline, interrupt=interrupt, atomic=atomic)
         try:
             executor.run()
         except (FrameMismatch, PeerAborted, PeerFailure, CollectiveTimeout, ProtocolError) as err:

@@ -55,6 +55,7 @@ class Settings:
     small_bytes: int = 64 * KIB
     slice_bytes: int = 48 * MIB  # larger allreduces and broadcasts run slice by slice (bounded scratch)
     socket_buffer: int = 4 * MIB
+    atomic: bool = False  # a failed in-place allreduce restores the caller's buffer (one extra copy)
     spin_us: int | None = None  # busy-poll before sleeping; None: auto (see spin_seconds)
     log_level: str = "WARNING"
     secret: bytes | None = None
@@ -92,6 +93,7 @@ class Settings:
             small_bytes=reader.size("RINGCORE_SMALL_BYTES", cls.small_bytes, minimum=0),
             slice_bytes=reader.size("RINGCORE_SLICE_BYTES", cls.slice_bytes, minimum=64 * KIB),
             socket_buffer=reader.size("RINGCORE_SOCKET_BUFFER", cls.socket_buffer, minimum=0),
+            atomic=reader.flag("RINGCORE_ATOMIC", cls.atomic),
             spin_us=_spin(env.get("RINGCORE_SPIN_US", "auto")),
             log_level=env.get("RINGCORE_LOG_LEVEL", cls.log_level).upper(),
             secret=env["RINGCORE_SECRET"].encode() if "RINGCORE_SECRET" in env else None,
@@ -182,6 +184,16 @@ class _Reader:
         if not value > 0:
             raise ConfigError(f"{name}={text!r} must be a positive number of seconds")
         return value
+
+    def flag(self, name: str, default: bool) -> bool:
+        text = self.env.get(name, "").strip().lower()
+        if not text:
+            return default
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name}={text!r} is not a flag; use 1 or 0")
 
     def size(self, name: str, default: int, minimum: int) -> int:
         text = self.env.get(name, "").strip()

@@ -201,6 +201,21 @@ def bad_input(comm: Any, case: str) -> tuple[str, str, bool]:
 # ---------------------------------------------------------------------------- failures
 
 
+def exposed_range(err: BaseException) -> tuple[int, int] | None:
+    """The elements a failed allreduce's note says may hold partial sums, or None."""
+    import re
+
+    notes = " ".join(getattr(err, "__notes__", []))
+    match = re.search(r"elements \[(\d+), (\d+)\) of \d+ may hold partial sums", notes)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def untouched_except_noted(buf: np.ndarray, original: np.ndarray, err: BaseException) -> bool:
+    """Whether a failed allreduce kept the caller's values everywhere its note does not name."""
+    start, end = exposed_range(err) or (0, 0)
+    return bool(np.array_equal(buf[:start], original[:start]) and np.array_equal(buf[end:], original[end:]))
+
+
 def mismatch_then_retry(
     comm: Any, per_rank_calls: list[tuple[str, tuple, dict]], delays: list[float] | None = None
 ) -> dict[str, Any]:
@@ -239,7 +254,8 @@ def allreduce_until_failure(comm: Any, count: int, max_rounds: int) -> dict[str,
     """Allreduce a random float32 buffer (fresh copy each round) until a collective fails.
 
     Returns the error's type, message and ``peer`` attribute, the number of
-    rounds that succeeded, and whether the failed round left the buffer as it was.
+    rounds that succeeded, whether the failed round left the buffer as it was
+    outside the elements its note names, and those elements.
     """
     import time
 
@@ -255,7 +271,8 @@ def allreduce_until_failure(comm: Any, count: int, max_rounds: int) -> dict[str,
                 "message": str(err),
                 "peer": getattr(err, "peer", None),
                 "rounds": rounds,
-                "untouched": bool(np.array_equal(buf, original)),
+                "untouched": untouched_except_noted(buf, original, err),
+                "exposed": exposed_range(err),
                 "failed_at": time.time(),
             }
     return {"error": "no error", "rounds": max_rounds}
@@ -470,7 +487,8 @@ def fault_rounds(
     victim injects it after round 0 returned, while the other ranks wait
     ``idle_gap`` seconds before round 1. Every rank checks each successful
     result against numpy; on the first failure it records the error, whether
-    the buffer is untouched, and what one more allreduce raises.
+    the buffer is untouched outside the elements the error's note names (and
+    those), and what one more allreduce raises.
     """
     import time
 
@@ -500,7 +518,8 @@ def fault_rounds(
                     message=str(err),
                     peer=getattr(err, "peer", None),
                     failed_at=time.time(),
-                    untouched=bool(np.array_equal(buf, original)),
+                    untouched=untouched_except_noted(buf, original, err),
+                    exposed=exposed_range(err),
                 )
                 break
             report["rounds"] = round_ + 1
@@ -815,7 +834,8 @@ def sliced_allreduce_until_failure(comm: Any, count: int, max_rounds: int) -> di
 
     Reports whether what the failure left matches its promise: the elements
     the error's note says are done hold the sum of every rank's input (each
-    rank's input is rebuilt here from its seed), the rest are the caller's.
+    rank's input is rebuilt here from its seed), those it says may hold
+    partial sums are skipped, and the rest are the caller's.
     """
     import re
 
@@ -829,14 +849,18 @@ def sliced_allreduce_until_failure(comm: Any, count: int, max_rounds: int) -> di
             comm.allreduce(buf)
         except Exception as err:
             notes = " ".join(getattr(err, "__notes__", []))
-            match = re.search(r"elements \[0, (\d+)\)", notes)
+            match = re.search(r"elements \[0, (\d+)\) of \d+ already hold", notes)
             done = int(match.group(1)) if match else 0
+            exposed = exposed_range(err) or (done, done)
             return {
                 "error": _qualified(err),
                 "rounds": rounds,
                 "done": done,
+                "exposed": exposed,
+                "notes": notes,
                 "done_reduced": bool(np.allclose(buf[:done], want[:done], rtol=1e-5, atol=1e-4)),
-                "rest_untouched": bool(np.array_equal(buf[done:], original[done:])),
+                "rest_untouched": exposed[0] == done
+                and bool(np.array_equal(buf[exposed[1] :], original[exposed[1] :])),
             }
         if not np.allclose(buf, want, rtol=1e-5, atol=1e-4):
             return {"error": "wrong result", "rounds": rounds}

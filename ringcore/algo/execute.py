@@ -23,10 +23,17 @@ raises :class:`~ringcore.errors.CollectiveTimeout` naming what it waits for.
 Compression: a send from USER when the wire dtype differs first converts the
 segment into the same region of WORK (which is in the wire dtype).
 
-In-place schedules: before the first write into a region of USER (a
-receive, or a ``commit`` combine), its values are saved into the same region
-of WORK; if the run fails, every saved region is put back before the error
-propagates, so the caller's buffer is untouched.
+In-place schedules write USER as they go: the allgather receives into it and
+the last reduce (a ``commit`` combine) writes there. With ``atomic``
+(``RINGCORE_ATOMIC=1``), before the first write into a region of USER its
+values are saved into the same region of WORK, and if the run fails every
+saved region is put back before the error propagates, so the caller's buffer
+is untouched. That costs one copy of the buffer per run (a quarter of the
+time of an N=2 allreduce on loopback), so it is off by default: a failed run
+then leaves the regions it had written partly reduced, as Gloo, NCCL and MPI
+do. Only a dead or stalled peer can fail a run after USER is written: every
+rank's signature has been checked, directly or through the ring, before any
+rank's reduced data can reach USER, so a mismatch never touches it.
 """
 
 from __future__ import annotations
@@ -159,6 +166,7 @@ class Executor:
         timeline: where to record one event per step, or ``None``.
         interrupt: polled while waiting; a message it returns aborts the run
             with :class:`~ringcore.errors.CollectiveTimeout` (stall shutdown).
+        atomic: back up USER before in-place writes and restore it on failure.
     """
 
     def __init__(
@@ -172,8 +180,10 @@ class Executor:
         timeout: float,
         timeline: Timeline | None = None,
         interrupt: Callable[[], str | None] | None = None,
+        atomic: bool = True,
     ) -> None:
         program = compile_program(schedule, transport)
+        self.atomic = atomic
         self.timeline = timeline
         self.interrupt = interrupt
         if timeline is not None:
@@ -337,6 +347,8 @@ class Executor:
 
     def _save(self, user_key: Key) -> bool:
         """Back up a USER region into WORK before overwriting it; False if WORK is busy."""
+        if not self.atomic:
+            return True
         backup = (_WORK, user_key[1], user_key[2])
         if backup in self.sending or backup in self.receiving:
             return False
@@ -345,8 +357,11 @@ class Executor:
         return True
 
     def _commit(self, dst: Key, a: Key, b: Key, final: bool) -> None:
-        """Reduce into USER instead of ``dst`` (WORK), leaving USER's old values in ``dst``."""
+        """Reduce into USER instead of ``dst`` (WORK); ``atomic``: leave USER's old values in ``dst``."""
         user = (_USER, dst[1], dst[2])
+        if not self.atomic:
+            self.reducer.combine(self._array(user), self._array(a), self._array(b), final=final)
+            return
         result = self.reducer.scratch_like(self._array(user))
         self.reducer.combine(result, self._array(a), self._array(b), final=final)
         np.copyto(self._array(dst), self._array(user))

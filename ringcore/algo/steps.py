@@ -12,10 +12,10 @@ A schedule names buffers, not arrays: ``USER`` is the caller's memory,
 ``WORK`` a scratch buffer of the same length in the wire dtype, ``STAGE`` a
 second scratch for algorithms that receive a whole peer vector before
 combining it (recursive doubling). USER is read-only, except in an in-place
-schedule: there, before a region of USER is first overwritten (a receive, or
-a ``commit`` step), its old values are saved into the same region of WORK,
-and if the collective fails they are put back. Either way the caller's
-buffer ends fully reduced or untouched.
+schedule, which receives into it and reduces into it (a ``commit`` step). With
+``RINGCORE_ATOMIC=1`` the executor first saves each such region's old values
+into the same region of WORK and puts them back if the collective fails; see
+:mod:`ringcore.algo.execute`.
 """
 
 from __future__ import annotations

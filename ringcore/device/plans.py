@@ -69,7 +69,7 @@ class DeviceContext:
 
 def allreduce(comm: Communicator, desc: Descriptor, buffer: Buffer, op: ReduceOp, comp: Compression) -> None:
     """In-place allreduce of a device buffer (``comm.size > 1``)."""
-    from ringcore.collectives import allreduce_schedule
+    from ringcore.collectives import allreduce_schedule, failure_note, writes_user
 
     ctx = comm.device_context()
     user = ctx.layer.wrap(buffer)  # first: it tells the layer which GPU this process uses
@@ -81,7 +81,9 @@ def allreduce(comm: Communicator, desc: Descriptor, buffer: Buffer, op: ReduceOp
         arrays = ctx.scratch_arrays(schedule, user, reducer.wire_dtype)
         if schedule.prefill_work:
             reducer.convert(arrays[Buf.WORK], user)
-        comm.execute(desc, schedule, arrays, reducer, staging=ctx.staging)
+        exposed = buffer.count if writes_user(schedule) and not comm.settings.atomic else 0
+        with failure_note(0, exposed, buffer.count):
+            comm.execute(desc, schedule, arrays, reducer, staging=ctx.staging)
         if schedule.result is not None and schedule.result.buf != Buf.USER:
             reducer.convert(user, arrays[Buf.WORK])
         ctx.layer.synchronize(ctx.staging.compute)

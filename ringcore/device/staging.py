@@ -19,8 +19,9 @@ A region counts as being sent from the moment its download is queued until
 its send completed, so no receive, combine or backup writes it meanwhile;
 work on one region by the compute stream is ordered by that stream. The run
 ends by waiting for both streams: when it returns, the result is in device
-memory. On failure the transport is cancelled, the streams drained, and the
-caller's regions saved before in-place writes are put back, as on the host.
+memory. On failure the transport is cancelled, the streams drained, and, with
+``atomic`` (``RINGCORE_ATOMIC=1``), the caller's regions saved before in-place
+writes are put back, as on the host.
 
 The timeline records the collective, not its steps, for device buffers.
 
@@ -105,6 +106,7 @@ class StagedExecutor(Executor):
         timeout: float,
         staging: Staging,
         interrupt: Callable[[], str | None] | None = None,
+        atomic: bool = True,
     ) -> None:
         program = compile_program(schedule, transport)
         self.transport, self.reducer, self.staging = transport, reducer, staging
@@ -115,6 +117,7 @@ class StagedExecutor(Executor):
         self.pack = user is not None and work is not None and work.dtype != user.dtype
         self.seq_bits = (seq & 0xFFFFFFFF) << 32
         self.signature, self.timeout, self.interrupt = signature, timeout, interrupt
+        self.atomic = atomic
         self.timeline = None  # GPU collectives are recorded whole, not step by step
         self.step_done = [row[:] for row in program.step_done]
         self.done_upto = program.done_upto[:]
@@ -267,6 +270,8 @@ class StagedExecutor(Executor):
 
     def _save(self, user_key: Key) -> bool:
         """Back up a USER region into WORK before overwriting it; False if WORK is busy."""
+        if not self.atomic:
+            return True
         backup = (_WORK, user_key[1], user_key[2])
         if backup in self.sending or backup in self.receiving:
             return False
@@ -277,6 +282,9 @@ class StagedExecutor(Executor):
     def _commit(self, dst: Key, a: Key, b: Key, final: bool) -> None:
         """Reduce into USER instead of ``dst`` (WORK), leaving USER's old values in ``dst``."""
         user = (_USER, dst[1], dst[2])
+        if not self.atomic:
+            self.reducer.combine(self._array(user), self._array(a), self._array(b), final=final)
+            return
         result = self.reducer.scratch_like(self._array(user))
         self.reducer.combine(result, self._array(a), self._array(b), final=final)
         self.layer.copy(self._array(dst), self._array(user), self.staging.compute)

@@ -141,15 +141,21 @@ def fake_async(comm: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
     return [b.data for b in bufs] + [host]
 
 
-def fake_until_failure(comm: Any, count: int, rounds: int) -> tuple[str, bool]:
-    """Allreduce a GPU buffer until a collective fails; its error and whether the buffer was left as it was."""
-    from ringcore.device.fake import FakeCudaArray as Array
+def fake_until_failure(comm: Any, count: int, rounds: int) -> tuple[str, bool, Any]:
+    """Allreduce a GPU buffer (fresh input each round) until a collective fails.
 
-    buf = Array(np.ones(count, np.float32))
+    Returns the error's type, whether the buffer kept its input outside the
+    elements the error's note says may hold partial sums, and those elements.
+    """
+    from ringcore.device.fake import FakeCudaArray as Array
+    from tests.tasks import exposed_range, untouched_except_noted
+
+    original = np.full(count, comm.rank + 1, np.float32)  # sums differ from every input
+    buf = Array(original.copy())
     for _ in range(rounds):
-        before = buf.data.copy()
+        np.copyto(buf.data, original)
         try:
-            comm.allreduce(buf, op="max")
+            comm.allreduce(buf)
         except Exception as err:
-            return type(err).__name__, bool(np.array_equal(buf.data, before))
-    return "none", True
+            return type(err).__name__, untouched_except_noted(buf.data, original, err), exposed_range(err)
+    return "none", True, None

@@ -131,17 +131,21 @@ def test_async_gpu_allreduces() -> None:
         np.testing.assert_array_equal(got[0][-1], inputs[0] * size)
 
 
-def test_dead_peer_leaves_the_gpu_buffer_untouched() -> None:
+@pytest.mark.parametrize("atomic", ["0", "1"])
+def test_dead_peer_leaves_the_gpu_buffer_untouched_except_what_the_note_names(atomic: str) -> None:
+    """With RINGCORE_ATOMIC=1 the note names nothing: the staged executor restored the buffer."""
     import signal
     import time
 
     from tests.cluster import Background
 
-    with Cluster(2, env={**RING_ENV, "RINGCORE_TIMEOUT": "10"}) as cluster:
+    env = {**RING_ENV, "RINGCORE_TIMEOUT": "10", "RINGCORE_ATOMIC": atomic}
+    with Cluster(2, env=env) as cluster:
         cluster.results(tasks.use_fake, 8)
         survivor = Background(cluster, tasks.fake_until_failure, 200_000, 10_000, ranks=[0], timeout=60)
         Background(cluster, tasks.fake_until_failure, 200_000, 10_000, ranks=[1], timeout=60)
         time.sleep(2.0)
         cluster.kill(1, signal.SIGKILL)
-        ((error, untouched),) = survivor.join()
+        ((error, untouched, exposed),) = survivor.join()
         assert error in ("PeerFailure", "CollectiveTimeout") and untouched, (error, untouched)
+        assert (exposed is None) == (atomic == "1"), exposed

@@ -13,7 +13,7 @@ import pytest
 
 import ringcore
 from ringcore.buffers import as_buffer
-from ringcore.collectives import _slice_failure_note, _slices
+from ringcore.collectives import _slices, failure_note
 from tests import tasks
 from tests.cluster import Background, Cluster, RankError, qualified
 
@@ -33,12 +33,28 @@ def test_slices_are_equal_and_cover_the_buffer() -> None:
 
 
 def test_a_failed_slice_notes_what_is_already_done() -> None:
-    with pytest.raises(ringcore.PeerFailure) as info, _slice_failure_note(500, 1000):
+    with pytest.raises(ringcore.PeerFailure) as info, failure_note(500, 0, 1000):
         raise ringcore.PeerFailure("rank 1 died", 1, "host")
-    assert "elements [0, 500) of 1000 already hold the result" in " ".join(info.value.__notes__)
-    with pytest.raises(ValueError) as first, _slice_failure_note(0, 1000):
+    notes = " ".join(info.value.__notes__)
+    assert "elements [0, 500) of 1000 already hold the result" in notes
+    assert "partial" not in notes and "other elements are untouched" in notes
+    with pytest.raises(ValueError) as first, failure_note(0, 0, 1000):
         raise ValueError("slice 0 failed")
     assert not getattr(first.value, "__notes__", None)  # nothing was written yet: no note
+
+
+def test_a_failed_in_place_run_notes_the_elements_it_may_have_written() -> None:
+    with pytest.raises(ringcore.CollectiveTimeout) as info, failure_note(500, 250, 1000):
+        raise ringcore.CollectiveTimeout("no progress")
+    notes = " ".join(info.value.__notes__)
+    assert "elements [500, 750) of 1000 may hold partial sums" in notes and "RINGCORE_ATOMIC=1" in notes
+    with pytest.raises(ringcore.PeerFailure) as whole, failure_note(0, 1000, 1000):
+        raise ringcore.PeerFailure("rank 1 died", 1, "host")
+    assert "elements [0, 1000) of 1000 may hold partial sums" in " ".join(whole.value.__notes__)
+    assert "untouched" not in " ".join(whole.value.__notes__)  # no other elements
+    with pytest.raises(ringcore.MismatchError) as mismatch, failure_note(0, 1000, 1000):
+        raise ringcore.MismatchError("ranks disagree")
+    assert not getattr(mismatch.value, "__notes__", None)  # a mismatch fails before any write
 
 
 @pytest.mark.timeout(120)
@@ -61,9 +77,12 @@ def test_sliced_collectives_match_numpy() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_killed_peer_mid_slices_leaves_done_slices_reduced_and_the_rest_untouched() -> None:
+@pytest.mark.parametrize("atomic", ["0", "1"])
+def test_killed_peer_mid_slices_leaves_done_slices_reduced_and_the_rest_untouched(atomic: str) -> None:
+    """The failed slice may hold partial sums by default; with RINGCORE_ATOMIC=1 it is restored."""
     count = 2_000_000  # 8 MB: ~122 slices of 64 KiB, each a few ms
-    with Cluster(3, env=SLICED) as cluster:
+    env = {**SLICED, "RINGCORE_SMALL_BYTES": "4K", "RINGCORE_ATOMIC": atomic}  # the in-place ring
+    with Cluster(3, env=env) as cluster:
         doomed = Background(cluster, tasks.sliced_allreduce_until_failure, count, 1000, ranks=[2], timeout=90)
         working = Background(
             cluster, tasks.sliced_allreduce_until_failure, count, 1000, ranks=[0, 1], timeout=90
@@ -76,4 +95,6 @@ def test_killed_peer_mid_slices_leaves_done_slices_reduced_and_the_rest_untouche
         assert not isinstance(report, RankError), (rank, report)
         assert report["error"] == qualified(ringcore.PeerFailure), (rank, report)
         assert report["done_reduced"] and report["rest_untouched"], (rank, report)
+        start, end = report["exposed"]
+        assert start == report["done"] and (end == start) == (atomic == "1"), (rank, report)
     print("elements done when the peer died:", [r["done"] for r in reports])

@@ -31,6 +31,7 @@ def test_every_variable_is_read() -> None:
         "RINGCORE_SMALL_BYTES": "512K",
         "RINGCORE_SOCKET_BUFFER": "0",
         "RINGCORE_SLICE_BYTES": "16M",
+        "RINGCORE_ATOMIC": "1",
         "RINGCORE_LOG_LEVEL": "debug",
     }
     s = Settings.from_env(env)
@@ -38,7 +39,7 @@ def test_every_variable_is_read() -> None:
     assert (s.addr, s.port, s.ifname) == ("10.0.0.7", 4711, "eth1")
     assert (s.timeout, s.init_timeout, s.channels) == (2.5, 30.0, 4)
     assert (s.segment_bytes, s.small_bytes, s.socket_buffer) == (4 * MIB, 512 * KIB, 0)
-    assert s.slice_bytes == 16 * MIB
+    assert s.slice_bytes == 16 * MIB and s.atomic
     assert s.log_level == "DEBUG"
 
 
@@ -93,6 +94,7 @@ def test_parse_size_rejects_garbage_with_config_error(text: str) -> None:
         ("RINGCORE_SMALL_BYTES", "-5"),
         ("RINGCORE_SOCKET_BUFFER", "4Q"),
         ("RINGCORE_SLICE_BYTES", "4K"),  # below the 64 KiB minimum
+        ("RINGCORE_ATOMIC", "maybe"),
         ("RINGCORE_SPIN_US", "fast"),
         ("RINGCORE_SPIN_US", "-1"),
         ("RINGCORE_SPIN_US", "2000000"),
@@ -113,6 +115,13 @@ def test_settings_are_frozen() -> None:
     s = Settings.from_env({})
     with pytest.raises(AttributeError):
         s.rank = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("text", "atomic"), [("", False), ("0", False), ("off", False), ("1", True), ("yes", True)]
+)
+def test_atomic_is_off_unless_set(text: str, atomic: bool) -> None:
+    assert Settings.from_env({"RINGCORE_ATOMIC": text}).atomic is atomic
 
 
 def test_spin_is_auto_unless_set() -> None:

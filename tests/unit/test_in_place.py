@@ -1,7 +1,9 @@
 """The in-place ring allreduce: the allgather writes into the caller's buffer.
 
-Correct results over the zero-capacity loopback transport, and, when the run
-fails at any point, the caller's buffer restored bit for bit.
+Correct results over the zero-capacity loopback transport, both with and
+without ``atomic``; when the run fails at any point, the caller's buffer is
+restored bit for bit with ``atomic`` and, without it, holds only its own
+values and final sums.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ringcore.transport.loopback import LoopbackNetwork
 pytestmark = pytest.mark.timeout(60)
 
 
-def run_in_place(inputs, segment_bytes, channels=1, fail_rank=None, fail_after=0, timeout=10.0):
+def run_in_place(inputs, segment_bytes, channels=1, fail_rank=None, fail_after=0, timeout=10.0, atomic=True):
     """Run the in-place ring on every rank (threads); returns (buffers, errors)."""
     size, count = len(inputs), inputs[0].size
     network = LoopbackNetwork(size, channels)
@@ -34,7 +36,8 @@ def run_in_place(inputs, segment_bytes, channels=1, fail_rank=None, fail_after=0
         reducer = Reducer(DTYPES[str(inputs[0].dtype)], ReduceOp.SUM, Compression.NONE, size)
         schedule = ring.allreduce(rank, size, count, inputs[0].itemsize, segment_bytes, True)
         arrays = {Buf.USER: users[rank], Buf.WORK: np.full(count, 77, inputs[0].dtype)}
-        executor = Executor(network.transport(rank), schedule, arrays, reducer, 1, 99, timeout)
+        transport = network.transport(rank)
+        executor = Executor(transport, schedule, arrays, reducer, 1, 99, timeout, atomic=atomic)
         if rank == fail_rank:
             calls = [0]
             original = executor._combine
@@ -63,11 +66,12 @@ def run_in_place(inputs, segment_bytes, channels=1, fail_rank=None, fail_after=0
 
 @pytest.mark.parametrize("size", [2, 3, 4, 5, 7])
 @pytest.mark.parametrize("channels", [1, 3])
-def test_in_place_ring_matches_numpy(size: int, channels: int) -> None:
+@pytest.mark.parametrize("atomic", [True, False])
+def test_in_place_ring_matches_numpy(size: int, channels: int, atomic: bool) -> None:
     rng = np.random.default_rng(size * 10 + channels)
     for count in (size - 1, size, 37, 1000):
         inputs = [rng.integers(-1000, 1000, count).astype(np.int64) for _ in range(size)]
-        users, errors = run_in_place(inputs, segment_bytes=24, channels=channels)
+        users, errors = run_in_place(inputs, segment_bytes=24, channels=channels, atomic=atomic)
         assert errors == [None] * size
         for user in users:
             np.testing.assert_array_equal(user, np.sum(inputs, axis=0))
@@ -96,6 +100,27 @@ def test_failure_at_any_point_restores_every_buffer(fail_after: int) -> None:
         else:
             assert isinstance(errors[rank], (RuntimeError, PeerFailure, CollectiveTimeout))
             assert users[rank].tobytes() == inputs[rank].tobytes(), f"rank {rank} buffer not restored"
+
+
+@pytest.mark.parametrize("fail_after", [3, 38, 45, 70])
+def test_failure_without_atomic_leaves_only_own_values_and_final_sums(fail_after: int) -> None:
+    """No backups: a failed rank's buffer mixes its input with finished sums, nothing else."""
+    size, count = 4, 400
+    rng = np.random.default_rng(fail_after)
+    inputs = [rng.integers(-1000, 1000, count).astype(np.int64) for _ in range(size)]
+    total = np.sum(inputs, axis=0)
+    users, errors = run_in_place(
+        inputs, segment_bytes=64, fail_rank=2, fail_after=fail_after, timeout=2.0, atomic=False
+    )
+    assert isinstance(errors[2], RuntimeError)
+    written = 0
+    for rank in range(size):
+        own = users[rank] == inputs[rank]
+        assert np.all(own | (users[rank] == total)), f"rank {rank} holds values that are neither"
+        if errors[rank] is not None:
+            written += int(np.sum(~own & (users[rank] == total)))
+    if fail_after > 39:  # 3 x 13 scatter-reduce segments: rank 2 failed in the allgather, after writes
+        assert written > 0
 
 
 def test_in_place_refuses_a_compressed_wire() -> None:
