@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ringcore.bench import data, report
+from ringcore.kernels import casts
 
 PROG = "ringcore-bench"
 _NO_REDOP = ("broadcast", "allgather")
@@ -49,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("-r", "--root", type=int, default=0, help="broadcast root (default 0)")
     add("-t", "--test", choices=report.TESTS, default="allreduce", help="collective (default allreduce)")
     add("--compression", choices=("none", "fp16"), default="none", help="allreduce wire format")
+    add(
+        "--with-torch",
+        action="store_true",
+        help="import torch first, as a PyTorch job has it: fp16 compression then borrows its "
+        "vectorised casts (ringcore.kernels.casts)",
+    )
     add("--json", default=None, metavar="FILE", help="rank 0 writes the results here")
     add("--np", type=int, default=None, metavar="N", help="launch N ranks with ringcore-run first")
     return parser
@@ -98,6 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("need -n >= 1 and -w >= 0")
     if args.np is not None and not _under_launcher():
         return relaunch(args.np, argv)
+    if args.with_torch:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            parser.error("--with-torch needs torch (pip install torch==2.13.0)")
     return Bench(args, sizes, dtype, budget).run()
 
 
@@ -228,7 +240,8 @@ class Bench:
         lines = [
             f"# {PROG} {a.test}: nranks {self.nranks} minBytes {min(self.sizes)} maxBytes {max(self.sizes)}"
             f" step: {a.stepfactor:g}(factor) warmup iters: {a.warmup_iters} iters: {a.iters}"
-            f" budget: {self.budget} validation: {a.check} compression: {a.compression}",
+            f" budget: {self.budget} validation: {a.check} compression: {a.compression}"
+            f" casts: {'torch' if casts.borrows_torch() else 'numpy'}",
             "#",
             "# Using ranks",
         ]
@@ -249,6 +262,7 @@ class Bench:
             "op": self.redop,
             "root": self.root,
             "compression": a.compression,
+            "casts": "torch" if casts.borrows_torch() else "numpy",
             "iters": a.iters,
             "warmup": a.warmup_iters,
             "budget": self.budget,

@@ -18,6 +18,17 @@ def allreduce(comm: Any, inputs: list[np.ndarray], op: str, compression: str | N
     return buf
 
 
+def allreduce_with_torch_on(
+    comm: Any, inputs: list[np.ndarray], op: str, compression: str | None, torch_ranks: list[int]
+) -> tuple[np.ndarray, bool]:
+    """``allreduce`` after importing torch on ``torch_ranks`` only; also whether casts borrowed it."""
+    from ringcore.kernels import casts
+
+    if comm.rank in torch_ranks:
+        import torch  # noqa: F401
+    return allreduce(comm, inputs, op, compression), casts.borrows_torch()
+
+
 def allreduce_async(comm: Any, inputs: list[np.ndarray], op: str) -> list[np.ndarray]:
     bufs = [x.copy() for x in inputs]
     handles = [comm.allreduce_async(b, op=op) for b in bufs]

@@ -8,7 +8,9 @@ ring of ranks agrees bit for bit:
 * ``op(a, b)`` is evaluated once per element, rounded to the accumulation
   dtype; ``avg`` then divides by the world size (true division) in that dtype.
 * Narrowing to the storage or wire dtype rounds to nearest, ties to even
-  (numpy's float casts; a bit-exact routine for bfloat16, NaN kept quiet).
+  (numpy's float casts, or torch's for float16 when the process has torch,
+  see :mod:`ringcore.kernels.casts`; a bit-exact routine for bfloat16, NaN
+  kept quiet).
 
 The hot path (same dtype everywhere, the common case) is one ufunc call with
 ``out=``; mixed dtypes (compression, bfloat16) go through one reusable
@@ -24,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ringcore.buffers import DType
+from ringcore.kernels.casts import cast
 from ringcore.ops import Compression, ReduceOp
 
 UFUNCS = {
@@ -98,8 +101,10 @@ class Reducer:
         """Copy ``src`` into ``dst``, rounding when the dtypes differ (compression)."""
         if dst.dtype == src.dtype:
             np.copyto(dst, src)
-            return
-        self._store(dst, self._load(src, self._scratch_for(src.size)))
+        elif self._is_bf16(dst) or self._is_bf16(src):
+            self._store(dst, self._load(src, self._scratch_for(src.size)))
+        else:
+            cast(dst, src)
 
     def scratch_like(self, x: np.ndarray) -> np.ndarray:
         """A reusable array shaped and typed like ``x`` (not shared with ``combine``'s own)."""
@@ -111,8 +116,13 @@ class Reducer:
         return self.dtype.name == "bfloat16" and x.dtype == np.uint16
 
     def _load(self, x: np.ndarray, scratch: np.ndarray) -> np.ndarray:
-        """View ``x`` in a dtype numpy can combine with the accumulator."""
-        return bf16_to_f32(x, scratch) if self._is_bf16(x) else x
+        """``x`` in the accumulation dtype (widened into ``scratch`` when it differs)."""
+        if self._is_bf16(x):
+            return bf16_to_f32(x, scratch)
+        if x.dtype != self.acc_dtype and x.dtype.kind == "f" and scratch.dtype.kind == "f":
+            cast(scratch, x)  # e.g. float16 wire values: faster than numpy's in-ufunc cast
+            return scratch
+        return x
 
     def _store(self, dst: np.ndarray, acc: np.ndarray) -> None:
         if self._is_bf16(dst):
@@ -122,7 +132,7 @@ class Reducer:
                 acc = widened
             f32_to_bf16(acc, dst)
         else:
-            np.copyto(dst, acc, casting="unsafe")
+            cast(dst, acc)
 
     def _scratch_for(self, count: int) -> np.ndarray:
         if self._scratch.size < count:
