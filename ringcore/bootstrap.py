@@ -104,6 +104,7 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
     local_rank, local_size = _locality(world, peers)
     if isinstance(transport, TcpTransport):
         transport.spin = settings.spin_seconds(local_size)
+        transport.spin_yields = settings.spin_yields(local_size)
     comm = Communicator(world.rank, world.size, local_rank, local_size, settings, transport, store, server)
     try:
         comm.confirm_world()

@@ -14,6 +14,13 @@ environment plus:
   (``--addr``, default ``127.0.0.1``; ``--port``, default a free local port)
 - ``PYTHONUNBUFFERED=1`` so output arrives line by line
 
+When the host has a CPU for every rank, rank ``r`` is bound to the ``r``-th
+CPU this launcher may use (``--bind-to core``, the default, as Open MPI binds
+up to two ranks): a rank the scheduler leaves on its peer's core makes a
+4 KiB allreduce take 250-400 us instead of 45-95 us (measured, N=2 on 2
+cores). With more ranks than CPUs nothing is bound; ``--bind-to none`` never
+binds.
+
 Each rank runs in its own session, so it and everything it starts form one
 process group that the launcher can signal as a whole. Its stdin is
 ``/dev/null``. Its stdout and stderr are piped back line by line, prefixed
@@ -85,6 +92,7 @@ class Options:
         grace: Seconds between SIGTERM and SIGKILL when stopping ranks.
         timeout: Wall-clock limit for the whole job in seconds; 0 means none.
         command: The program and its arguments.
+        bind: Bind rank r to the r-th usable CPU when there is one per rank.
         secret: The job's RINGCORE_SECRET: the launcher's own if set, else a fresh random one.
     """
 
@@ -95,6 +103,7 @@ class Options:
     grace: float
     timeout: float
     command: list[str]
+    bind: bool = True
     secret: str = dataclasses.field(
         default_factory=lambda: os.environ.get("RINGCORE_SECRET") or secrets.token_hex(32), repr=False
     )
@@ -148,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-prefix", action="store_true", help="do not prefix output lines with [rank]<stream>:")
     add("--grace", type=_seconds, default=3.0, metavar="SECONDS", help="SIGTERM to SIGKILL delay (default 3)")
     add("--timeout", type=_seconds, default=0.0, metavar="SECONDS", help="wall-clock limit; 0 = none")
+    add(
+        "--bind-to",
+        choices=("core", "none"),
+        default="core",
+        help="core (default): rank r runs on the r-th usable CPU, when there is one per rank; "
+        "none: let the scheduler place the ranks",
+    )
     add("command", nargs=argparse.REMAINDER, help="the program to run and its arguments (after -- if needed)")
     return parser
 
@@ -169,7 +185,16 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     if not command:
         parser.error("no command given; e.g. ringcore-run -np 2 python train.py")
     port = args.port if args.port is not None else find_free_port()
-    return Options(args.size, args.addr, port, not args.no_prefix, args.grace, args.timeout, command)
+    return Options(
+        args.size,
+        args.addr,
+        port,
+        not args.no_prefix,
+        args.grace,
+        args.timeout,
+        command,
+        bind=args.bind_to == "core",
+    )
 
 
 def find_free_port() -> int:
@@ -284,9 +309,11 @@ class Job:
         Raises:
             LaunchError: The command was not found or is not executable.
         """
+        cores = rank_cores(options.size) if options.bind else None
         for rank in range(options.size):
             try:
-                proc = _spawn(options, rank)
+                with _bound_to(cores[rank] if cores else None):
+                    proc = _spawn(options, rank)
             except LaunchError:
                 self.stop(options.grace)
                 raise
@@ -363,6 +390,30 @@ class Job:
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def rank_cores(size: int) -> list[int] | None:
+    """The CPU for each of ``size`` ranks, or ``None`` when there are fewer usable CPUs than ranks."""
+    usable = sorted(os.sched_getaffinity(0))
+    return usable[:size] if size <= len(usable) else None
+
+
+@contextlib.contextmanager
+def _bound_to(cpu: int | None) -> Iterator[None]:
+    """Run the block on ``cpu`` alone: a child started meanwhile inherits that affinity.
+
+    ``sched_setaffinity(0, ...)`` sets the calling thread's mask only, so the
+    launcher's output threads keep theirs; the old mask is restored after.
+    """
+    if cpu is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _spawn(options: Options, rank: int) -> subprocess.Popen[bytes]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ringcore.buffers import DType
-from ringcore.kernels.casts import cast
+from ringcore.kernels.casts import borrows_torch, cast
 from ringcore.ops import Compression, ReduceOp
 
 UFUNCS = {
@@ -119,8 +119,8 @@ class Reducer:
         """``x`` in the accumulation dtype (widened into ``scratch`` when it differs)."""
         if self._is_bf16(x):
             return bf16_to_f32(x, scratch)
-        if x.dtype != self.acc_dtype and x.dtype.kind == "f" and scratch.dtype.kind == "f":
-            cast(scratch, x)  # e.g. float16 wire values: faster than numpy's in-ufunc cast
+        if x.dtype == np.float16 and scratch.dtype == np.float32 and borrows_torch():
+            cast(scratch, x)  # torch's widening; without torch the ufunc's own cast is the rule
             return scratch
         return x
 

@@ -9,9 +9,10 @@ never copied in user space and never pickled.
 Concurrency. There are no I/O threads: the collective's own thread calls
 ``progress()``, which pushes every connection with queued sends and pulls
 every connection with posted receives until the kernel says ``EAGAIN``, then
-keeps trying for ``spin`` seconds (when every rank of the host has a core:
-waking a sleeping peer costs more than a small allreduce), and only then
-sleeps in ``poll``. Sends and receives therefore interleave (no
+keeps trying for ``spin`` seconds (waking a sleeping peer costs more than a
+small allreduce; with more ranks than cores it calls ``sched_yield`` between
+tries, so a rank sharing its core runs first), and only then sleeps in
+``poll``. Sends and receives therefore interleave (no
 deadlock when socket buffers fill), and large socket buffers
 (``RINGCORE_SOCKET_BUFFER``) let the kernel keep moving bytes while the
 thread is reducing a segment.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import select
 import socket
 import time
@@ -218,6 +220,7 @@ class TcpTransport:
         self.closed = False
         self.current = (-1, 0)  # (seq, signature) of the running collective
         self.spin = 0.0  # seconds to busy-poll before sleeping in poll (Settings.spin_seconds)
+        self.spin_yields = False  # sched_yield between polls while spinning (Settings.spin_yields)
 
     def expect(self, seq: int, signature: int) -> None:
         """Start collective ``seq``; a frame that arrived early may already show a disagreement."""
@@ -254,6 +257,8 @@ class TcpTransport:
         if timeout > 0 and self.spin:
             deadline = time.perf_counter() + min(self.spin, timeout)
             while time.perf_counter() < deadline:
+                if self.spin_yields:
+                    os.sched_yield()
                 if self._pump():
                     return True
         poller = select.poll()

@@ -427,6 +427,28 @@ def test_tcp_peer_names_are_addresses(tcp: Callable[..., list]) -> None:
     assert t[1].peer_name(0).startswith("127.0.0.1:")
 
 
+@pytest.mark.parametrize("yields", [False, True])
+def test_tcp_spin_polls_before_sleeping_and_yields_when_told(
+    tcp: Callable[..., list], monkeypatch: pytest.MonkeyPatch, yields: bool
+) -> None:
+    """With nothing to receive, progress spins for ``spin`` (yielding if ``spin_yields``), then polls."""
+    import os
+
+    t = tcp(2, 1)
+    t[0].spin, t[0].spin_yields = 0.02, yields
+    calls = []
+    monkeypatch.setattr(os, "sched_yield", lambda: calls.append(1))
+    got = np.zeros(4, np.uint8)
+    request = t[0].irecv(1, 0, 5, SIG, view(got))
+    started = time.monotonic()
+    assert not t[0].progress(0.05)
+    assert time.monotonic() - started >= 0.02
+    assert (len(calls) > 0) == yields
+    drive(t[1], [t[1].isend(0, 0, 5, SIG, view(np.arange(4, dtype=np.uint8)))])
+    drive(t[0], [request])
+    np.testing.assert_array_equal(got, np.arange(4))
+
+
 def test_tcp_channels_beyond_zero_go_to_ring_neighbours(tcp: Callable[..., list]) -> None:
     """Rank 0 and rank 2 of 5 are not neighbours: their segments all route over channel 0."""
     t = tcp(5, 3)

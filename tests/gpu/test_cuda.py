@@ -25,7 +25,13 @@ from tests.cluster import Cluster
 from tests.gpu import tasks
 from tests.gpu.gpu import needs_gpu
 from tests.gpu.test_fake_cluster import RING_ENV, cases
-from tests.gpu.test_kernel_rules import COUNT, _cases, _kinds, values
+from tests.gpu.test_kernel_rules import (
+    COUNT,
+    _cases,
+    _kinds,
+    numpy_casts,  # noqa: F401 (autouse: numpy's casts are the rule)
+    values,
+)
 
 pytestmark = [*needs_gpu, pytest.mark.timeout(240)]
 HAS_TORCH_CUDA = importlib.util.find_spec("torch") is not None

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ringcore.buffers import DTYPES, DType
-from ringcore.kernels import cuda_source
+from ringcore.kernels import casts, cuda_source
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
 from tests.gpu import native
@@ -26,6 +26,17 @@ pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler (g++) on PATH"
 )
 COUNT = 4096
+
+
+@pytest.fixture(autouse=True)
+def numpy_casts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy's casts are the rule the kernels follow: keep them even if this process imported torch.
+
+    (torch's loop quiets signaling NaNs, ringcore.kernels.casts; these tests feed them on purpose.)
+    """
+    monkeypatch.setattr(casts, "BORROW_TORCH", False)
+
+
 pytestmark = [pytestmark, pytest.mark.filterwarnings("ignore:overflow encountered")]
 _SPECIAL = {
     np.dtype(np.float16): [0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE01, 0x0001, 0x03FF, 0x7BFF],

@@ -7,6 +7,7 @@ test machine is small and shared.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -145,6 +146,31 @@ def test_explicit_port_is_passed_through(tmp_path: Path) -> None:
     result = launch("-n", 2, "--port", 4711, "--no-prefix", sys.executable, script)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["4711", "4711"]
+
+
+AFFINITY = "import os; print(sorted(os.sched_getaffinity(0)))"
+
+
+def affinities(proc: subprocess.CompletedProcess[str]) -> dict[int, list[int]]:
+    """Rank -> the CPUs it printed (AFFINITY's output)."""
+    assert proc.returncode == 0, proc.stderr
+    found = re.findall(r"^\[(\d+)\]<stdout>: (\[.*\])$", proc.stdout, re.MULTILINE)
+    return {int(rank): json.loads(cpus) for rank, cpus in found}
+
+
+def test_ranks_are_bound_to_distinct_cpus_when_there_is_one_each() -> None:
+    usable = sorted(os.sched_getaffinity(0))
+    size = min(2, len(usable))
+    got = affinities(launch("-np", size, sys.executable, "-c", AFFINITY))
+    assert got == {rank: [usable[rank]] for rank in range(size)}
+
+
+def test_no_binding_when_ranks_outnumber_cpus_or_when_told() -> None:
+    usable = sorted(os.sched_getaffinity(0))
+    crowded = affinities(launch("-np", len(usable) + 1, sys.executable, "-c", AFFINITY))
+    assert crowded == dict.fromkeys(range(len(usable) + 1), usable)
+    free = affinities(launch("-np", 1, "--bind-to", "none", sys.executable, "-c", AFFINITY))
+    assert free == {0: usable}
 
 
 @pytest.mark.timeout(90)

@@ -131,9 +131,9 @@ def test_spin_is_auto_unless_set() -> None:
     assert Settings.from_env({"RINGCORE_SPIN_US": "50"}).spin_seconds(1000) == pytest.approx(50e-6)
 
 
-def test_auto_spin_only_while_every_local_rank_has_a_cpu() -> None:
-    """Spinning with more ranks than CPUs would steal the CPU the awaited peer needs."""
+def test_spin_yields_only_when_ranks_outnumber_cpus() -> None:
+    """A busy spin with more ranks than CPUs would steal the CPU the awaited peer needs."""
     auto = Settings.from_env({})
     cpus = usable_cpus()
-    assert auto.spin_seconds(cpus) == pytest.approx(AUTO_SPIN_US / 1e6)
-    assert auto.spin_seconds(cpus + 1) == 0.0
+    assert auto.spin_seconds(cpus) == auto.spin_seconds(cpus + 1) == pytest.approx(AUTO_SPIN_US / 1e6)
+    assert not auto.spin_yields(cpus) and auto.spin_yields(cpus + 1)
