@@ -14,12 +14,13 @@ environment plus:
   (``--addr``, default ``127.0.0.1``; ``--port``, default a free local port)
 - ``PYTHONUNBUFFERED=1`` so output arrives line by line
 
-When the host has a CPU for every rank, rank ``r`` is bound to the ``r``-th
-CPU this launcher may use (``--bind-to core``, the default, as Open MPI binds
-up to two ranks): a rank the scheduler leaves on its peer's core makes a
-4 KiB allreduce take 250-400 us instead of 45-95 us (measured, N=2 on 2
-cores). With more ranks than CPUs nothing is bound; ``--bind-to none`` never
-binds.
+When the host has a CPU for every rank, each rank is bound to its own equal
+share of the CPUs this launcher may use, rank ``r`` to the ``r``-th
+(``--bind-to core``, the default; Open MPI binds small jobs too): a rank the
+scheduler leaves on its peer's core makes a 4 KiB allreduce take 250-400 us
+instead of 45-95 us (measured, N=2 on 2 cores). A share keeps all its CPUs
+(a rank's own threads, e.g. torch's, still spread over them). With more ranks
+than CPUs nothing is bound; ``--bind-to none`` never binds.
 
 Each rank runs in its own session, so it and everything it starts form one
 process group that the launcher can signal as a whole. Its stdin is
@@ -92,7 +93,7 @@ class Options:
         grace: Seconds between SIGTERM and SIGKILL when stopping ranks.
         timeout: Wall-clock limit for the whole job in seconds; 0 means none.
         command: The program and its arguments.
-        bind: Bind rank r to the r-th usable CPU when there is one per rank.
+        bind: Bind rank r to the r-th equal share of the usable CPUs when there is one per rank.
         secret: The job's RINGCORE_SECRET: the launcher's own if set, else a fresh random one.
     """
 
@@ -161,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--bind-to",
         choices=("core", "none"),
         default="core",
-        help="core (default): rank r runs on the r-th usable CPU, when there is one per rank; "
-        "none: let the scheduler place the ranks",
+        help="core (default): rank r runs on the r-th equal share of the usable CPUs, when "
+        "there is a CPU per rank; none: let the scheduler place the ranks",
     )
     add("command", nargs=argparse.REMAINDER, help="the program to run and its arguments (after -- if needed)")
     return parser
@@ -392,24 +393,27 @@ class Job:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def rank_cores(size: int) -> list[int] | None:
-    """The CPU for each of ``size`` ranks, or ``None`` when there are fewer usable CPUs than ranks."""
+def rank_cores(size: int) -> list[set[int]] | None:
+    """Disjoint equal shares of the usable CPUs, one per rank; ``None`` with fewer CPUs than ranks."""
     usable = sorted(os.sched_getaffinity(0))
-    return usable[:size] if size <= len(usable) else None
+    if size > len(usable):
+        return None
+    share = len(usable) // size
+    return [set(usable[rank * share : (rank + 1) * share]) for rank in range(size)]
 
 
 @contextlib.contextmanager
-def _bound_to(cpu: int | None) -> Iterator[None]:
-    """Run the block on ``cpu`` alone: a child started meanwhile inherits that affinity.
+def _bound_to(cpus: set[int] | None) -> Iterator[None]:
+    """Run the block on ``cpus``: a child started meanwhile inherits that affinity.
 
     ``sched_setaffinity(0, ...)`` sets the calling thread's mask only, so the
     launcher's output threads keep theirs; the old mask is restored after.
     """
-    if cpu is None:
+    if cpus is None:
         yield
         return
     before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {cpu})
+    os.sched_setaffinity(0, cpus)
     try:
         yield
     finally:

@@ -158,11 +158,21 @@ def affinities(proc: subprocess.CompletedProcess[str]) -> dict[int, list[int]]:
     return {int(rank): json.loads(cpus) for rank, cpus in found}
 
 
-def test_ranks_are_bound_to_distinct_cpus_when_there_is_one_each() -> None:
+def test_ranks_are_bound_to_disjoint_equal_shares_of_the_cpus() -> None:
     usable = sorted(os.sched_getaffinity(0))
     size = min(2, len(usable))
+    share = len(usable) // size
     got = affinities(launch("-np", size, sys.executable, "-c", AFFINITY))
-    assert got == {rank: [usable[rank]] for rank in range(size)}
+    assert got == {rank: usable[rank * share : (rank + 1) * share] for rank in range(size)}
+
+
+def test_rank_cores_splits_evenly_and_gives_up_when_crowded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ringcore import run
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6})
+    assert run.rank_cores(3) == [{0, 1}, {2, 3}, {4, 5}]
+    assert run.rank_cores(7) == [{c} for c in range(7)]
+    assert run.rank_cores(8) is None
 
 
 def test_no_binding_when_ranks_outnumber_cpus_or_when_told() -> None:
