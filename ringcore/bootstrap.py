@@ -28,6 +28,7 @@ from ringcore.comm import Communicator
 from ringcore.config import Settings
 from ringcore.descriptor import rank_list
 from ringcore.errors import CollectiveTimeout, ConfigError
+from ringcore.placement import describe_me, place
 from ringcore.rendezvous import WorldSpec, listen_address
 from ringcore.store import StoreClient, StoreServer, tls_contexts
 from ringcore.transport.mesh import connect_mesh, make_listener
@@ -101,11 +102,22 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
             server.close(reason=f"rank 0 gave up on init: {err}")
         raise
     listener.close()
-    local_rank, local_size = _locality(world, peers)
-    if isinstance(transport, TcpTransport):
-        transport.spin = settings.spin_seconds(local_size)
-        transport.spin_yields = settings.spin_yields(local_size)
-    comm = Communicator(world.rank, world.size, local_rank, local_size, settings, transport, store, server)
+    where = place(world.rank, peers, world.local_rank)
+    tcp = isinstance(transport, TcpTransport)
+    if tcp:
+        transport.spin = settings.spin_seconds(where.local_size)
+        transport.spin_yields = settings.spin_yields(where.local_size, where.host_cpus)
+    comm = Communicator(
+        world.rank,
+        world.size,
+        where.local_rank,
+        where.local_size,
+        settings,
+        transport,
+        store,
+        server,
+        cache_slices=tcp and where.one_host and not where.crowded,
+    )
     try:
         comm.confirm_world()
     except BaseException:
@@ -178,8 +190,8 @@ def _me(host: str, listener: socket.socket, world: WorldSpec) -> dict[str, Any]:
         "host": host,
         "port": listener.getsockname()[1],
         "size": world.size,
-        "hostname": socket.gethostname(),
         "pid": os.getpid(),
+        **describe_me(world.local_size),
     }
 
 
@@ -200,12 +212,3 @@ def _read_peers(store: StoreClient, world: WorldSpec, timeout: float) -> list[di
         listed = ", ".join(f"{rank_list(ranks)} say {size}" for size, ranks in sizes.items())
         raise ConfigError(f"ranks disagree on the world size: {listed}")
     return peers
-
-
-def _locality(world: WorldSpec, peers: list[dict[str, Any]]) -> tuple[int, int]:
-    """Local rank/size from the launcher, else from which ranks share this host name."""
-    hostname = peers[world.rank]["hostname"]
-    same = [rank for rank, peer in enumerate(peers) if peer["hostname"] == hostname]
-    local_rank = world.local_rank if world.local_rank is not None else same.index(world.rank)
-    local_size = world.local_size if world.local_size is not None else len(same)
-    return local_rank, local_size

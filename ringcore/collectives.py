@@ -13,9 +13,11 @@ the executor back up what it overwrites and restore it (one more copy of the
 buffer). The error's note names the elements that may hold partial sums.
 
 Large buffers. Scratch (WORK, STAGE) is as long as the buffer, so an
-allreduce or broadcast of more than ``RINGCORE_SLICE_BYTES`` runs as a
-sequence of complete collectives over equal slices (tags numbered by slice),
-which bounds scratch memory by the slice. A failure in slice k leaves slices
+allreduce or broadcast of more than ``RINGCORE_SLICE_BYTES`` (auto: 48 MiB)
+runs as a sequence of complete collectives over equal slices (tags numbered
+by slice), which bounds scratch memory by the slice. On a ring of one host
+with a CPU per rank, allreduce slices are cache-sized instead (N MiB: see
+``Settings.allreduce_slice_bytes``). A failure in slice k leaves slices
 before it reduced and those after it untouched, and its error's note says
 so.
 
@@ -93,7 +95,7 @@ def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
             reducer = comm.reducer(buffer.dtype, reduce_op, comp)
             in_place = reducer.wire_dtype == buffer.dtype.storage
             for part, (start, piece) in enumerate(
-                _slices(buffer, comm.settings.slice_bytes, reducer.wire_dtype.itemsize)
+                _slices(buffer, comm.allreduce_slice_bytes, reducer.wire_dtype.itemsize)
             ):
                 schedule = allreduce_schedule(comm, piece.count, reducer.wire_dtype.itemsize, in_place)
                 arrays = comm.scratch_arrays(schedule, piece, reducer.wire_dtype)
@@ -136,7 +138,7 @@ def plan_broadcast(obj: Any, root: int, rank: int, size: int) -> Plan:
         elif comm.size > 1:
             reducer = comm.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
             for part, (start, piece) in enumerate(
-                _slices(buffer, comm.settings.slice_bytes, buffer.dtype.itemsize)
+                _slices(buffer, comm.settings.scratch_slice_bytes(), buffer.dtype.itemsize)
             ):
                 schedule = chain.broadcast(
                     comm.rank,

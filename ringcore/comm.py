@@ -101,10 +101,13 @@ class Communicator:
         transport: Transport | None,
         store: StoreClient | None = None,
         server: StoreServer | None = None,
+        cache_slices: bool = False,
     ) -> None:
         self.rank, self.size = rank, size
         self.local_rank, self.local_size = local_rank, local_size
         self.settings = settings
+        # identical on every rank (from the shared rendezvous records): slices must line up
+        self.allreduce_slice_bytes = settings.allreduce_slice_bytes(size, cache_slices)
         self.transport = transport
         self.store = store
         self.server = server

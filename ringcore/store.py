@@ -123,7 +123,8 @@ class StoreServer:
                 self._track(sock, add=True)
             auth.server_handshake(sock, self.key, auth.STORE_CONTEXT, max(0.0, deadline - time.monotonic()))
         except (AuthenticationError, OSError) as err:
-            log.warning("store: rejected a connection from %s:%s: %s", address[0], address[1], str(err))
+            if not self.closed:  # close() ends handshakes in progress: nothing was rejected
+                log.warning("store: rejected a connection from %s:%s: %s", address[0], address[1], str(err))
             self._track(sock, add=False)
             self._track(raw, add=False)
             sock.close()

@@ -6,6 +6,7 @@ slices; results against numpy, and what a failure in the middle leaves behind.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import ringcore
 from ringcore.buffers import as_buffer
 from ringcore.collectives import _slices, failure_note
+from ringcore.config import MIB, SCRATCH_SLICE_BYTES
 from tests import tasks
 from tests.cluster import Background, Cluster, RankError, qualified
 
@@ -98,3 +100,42 @@ def test_killed_peer_mid_slices_leaves_done_slices_reduced_and_the_rest_untouche
         start, end = report["exposed"]
         assert start == report["done"] and (end == start) == (atomic == "1"), (rank, report)
     print("elements done when the peer died:", [r["done"] for r in reports])
+
+
+def slice_sizes(comm: object) -> tuple[int, int]:
+    return comm.allreduce_slice_bytes, comm.settings.scratch_slice_bytes()  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(120)
+def test_a_ring_on_one_uncrowded_host_reduces_in_cache_sized_slices() -> None:
+    """Two ranks with a CPU each: 2 MiB allreduce slices by default; results still match numpy."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs: with more ranks than CPUs the slices stay 48 MiB")
+    rng = np.random.default_rng(5)
+    count = 1_500_001  # 6 MB of float32: 3 slices of 2 MiB, the last one short
+    floats = [rng.standard_normal(count).astype(np.float32) for _ in range(2)]
+    with Cluster(2) as cluster:
+        sizes = cluster.results(slice_sizes)
+        summed = cluster.results(tasks.allreduce, floats, "sum", timeout=60)
+        compressed = cluster.results(tasks.allreduce, floats, "max", "fp16", timeout=60)
+    assert sizes == [(2 * MIB, SCRATCH_SLICE_BYTES)] * 2  # broadcasts keep the scratch budget
+    for got in summed:
+        assert got.tobytes() == (floats[0] + floats[1]).tobytes()
+    want = np.maximum(floats[0].astype(np.float16), floats[1].astype(np.float16)).astype(np.float32)
+    for got in compressed:
+        assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.timeout(60)
+def test_slices_stay_as_set() -> None:
+    with Cluster(2, env={"RINGCORE_SLICE_BYTES": "3M"}) as cluster:
+        assert cluster.results(slice_sizes) == [(3 * MIB, 3 * MIB)] * 2
+
+
+@pytest.mark.timeout(60)
+def test_a_crowded_host_keeps_the_scratch_budget() -> None:
+    """More ranks than CPUs: each slice boundary would wait for descheduled ranks."""
+    if len(os.sched_getaffinity(0)) >= 3:
+        pytest.skip("needs fewer than 3 CPUs to crowd 3 ranks")
+    with Cluster(3) as cluster:
+        assert [size for size, _ in cluster.results(slice_sizes)] == [SCRATCH_SLICE_BYTES] * 3

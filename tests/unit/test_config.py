@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringcore.config import AUTO_SPIN_US, KIB, MIB, Settings, parse_size, usable_cpus
+from ringcore.config import AUTO_SPIN_US, KIB, MIB, SCRATCH_SLICE_BYTES, Settings, parse_size, usable_cpus
 from ringcore.errors import ConfigError
 
 
@@ -136,4 +136,16 @@ def test_spin_yields_only_when_ranks_outnumber_cpus() -> None:
     auto = Settings.from_env({})
     cpus = usable_cpus()
     assert auto.spin_seconds(cpus) == auto.spin_seconds(cpus + 1) == pytest.approx(AUTO_SPIN_US / 1e6)
-    assert not auto.spin_yields(cpus) and auto.spin_yields(cpus + 1)
+    assert not auto.spin_yields(cpus, cpus) and auto.spin_yields(cpus + 1, cpus)
+
+
+def test_allreduce_slices_are_cache_sized_only_on_an_uncrowded_host_unless_set() -> None:
+    auto = Settings.from_env({"RINGCORE_SLICE_BYTES": "auto"})
+    assert auto.slice_bytes is None and Settings.from_env({}).slice_bytes is None
+    assert auto.allreduce_slice_bytes(2, cache_sized=True) == 2 * MIB
+    assert auto.allreduce_slice_bytes(8, cache_sized=True) == 8 * MIB
+    assert auto.allreduce_slice_bytes(1000, cache_sized=True) == SCRATCH_SLICE_BYTES  # scratch bound
+    assert auto.allreduce_slice_bytes(2, cache_sized=False) == SCRATCH_SLICE_BYTES
+    assert auto.scratch_slice_bytes() == SCRATCH_SLICE_BYTES
+    fixed = Settings.from_env({"RINGCORE_SLICE_BYTES": "16M"})
+    assert fixed.allreduce_slice_bytes(2, cache_sized=True) == 16 * MIB == fixed.scratch_slice_bytes()

@@ -1,0 +1,47 @@
+"""Placement: hosts from rendezvous records, the same answer on every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ringcore.placement import describe_me, place
+
+
+def record(hostname: str, cpus: list[int], local_size: int | None = None) -> dict[str, Any]:
+    return {"hostname": hostname, "cpus": cpus, "local_size": local_size}
+
+
+def test_ranks_bound_to_a_core_each_do_not_crowd_their_host() -> None:
+    records = [record("a", [0]), record("a", [1])]  # ringcore-run / mpirun --bind-to core
+    for rank in (0, 1):
+        where = place(rank, records)
+        assert (where.local_rank, where.local_size, where.host_cpus) == (rank, 2, 2)
+        assert where.one_host and not where.crowded
+
+
+def test_more_ranks_than_the_union_of_their_cpus_crowd_the_host() -> None:
+    records = [record("a", [0, 1]) for _ in range(4)]
+    assert place(3, records).crowded and place(3, records).one_host
+    bound_together = [record("a", [0]), record("a", [0])]
+    assert place(1, bound_together).crowded
+
+
+def test_two_hosts_are_not_one_and_each_counts_its_own_ranks() -> None:
+    records = [record("a", [0, 1]), record("b", [0]), record("a", [2]), record("b", [1])]
+    where = place(2, records)
+    assert (where.local_rank, where.local_size, where.host_cpus) == (1, 2, 3)
+    assert not where.one_host and not place(1, records).one_host
+
+
+def test_the_launchers_local_size_overrides_a_shared_host_name() -> None:
+    """The emulated cluster: network namespaces share a host name, each 'host' runs one rank."""
+    records = [record("vm", [0, 1], local_size=1) for _ in range(4)]
+    where = place(2, records, local_rank=0)
+    assert (where.local_rank, where.local_size) == (0, 1)
+    assert not where.one_host and not where.crowded
+
+
+def test_describe_me_reports_this_process() -> None:
+    me = describe_me(None)
+    assert me["hostname"] and me["cpus"] and me["local_size"] is None
+    assert all(isinstance(cpu, int) for cpu in me["cpus"])
