@@ -106,7 +106,6 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
     tcp = isinstance(transport, TcpTransport)
     if tcp:
         transport.spin = settings.spin_seconds(where.local_size)
-        transport.spin_yields = settings.spin_yields(where.local_size, where.host_cpus)
     comm = Communicator(
         world.rank,
         world.size,

@@ -119,8 +119,8 @@ class Settings:
 
         Waking a sleeping peer costs both sides tens of microseconds (on a VM,
         an inter-processor interrupt and a context switch), more than a small
-        allreduce's own work. Spinning avoids it; ``auto`` spins 200 us
-        (see :meth:`spin_yields` for hosts with more ranks than cores).
+        allreduce's own work. Spinning avoids it; ``auto`` spins 200 us,
+        calling ``sched_yield`` between polls (see ``transport.tcp``).
         """
         return (AUTO_SPIN_US if self.spin_us is None else self.spin_us) / 1e6
 
@@ -143,17 +143,6 @@ class Settings:
             return self.slice_bytes
         return min(SCRATCH_SLICE_BYTES, size * CACHE_SLICE_PER_RANK) if cache_sized else SCRATCH_SLICE_BYTES
 
-    def spin_yields(self, local_size: int, host_cpus: int) -> bool:
-        """Whether spinning calls ``sched_yield`` between polls: when this host has more ranks than CPUs.
-
-        A busy spin would then steal the core the awaited peer needs (4 ranks
-        on 2 cores: 737-910 us per 4 KiB allreduce against 369-464 us
-        sleeping); yielding lets a rank that shares the core run first, as
-        Open MPI's ``mpi_yield_when_idle`` does (410 us against 546 us
-        sleeping, measured in one job).
-        """
-        return local_size > host_cpus
-
     def __repr__(self) -> str:  # never print the secret
         fields = ", ".join(
             f"{f.name}={'<set>' if f.name == 'secret' and self.secret is not None else getattr(self, f.name)!r}"
@@ -165,14 +154,6 @@ class Settings:
 AUTO_SPIN_US = 200
 SCRATCH_SLICE_BYTES = 48 * MIB
 CACHE_SLICE_PER_RANK = 1 * MIB
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _spin(text: str) -> int | None:

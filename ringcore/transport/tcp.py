@@ -10,9 +10,13 @@ Concurrency. There are no I/O threads: the collective's own thread calls
 ``progress()``, which pushes every connection with queued sends and pulls
 every connection with posted receives until the kernel says ``EAGAIN``, then
 keeps trying for ``spin`` seconds (waking a sleeping peer costs more than a
-small allreduce; with more ranks than cores it calls ``sched_yield`` between
-tries, so a rank sharing its core runs first), and only then sleeps in
-``poll``. Sends and receives therefore interleave (no
+small allreduce), calling ``sched_yield`` between tries, and only then sleeps
+in ``poll``. Yielding lets whatever shares the core run first: a peer rank
+when there are more ranks than cores (Open MPI's ``mpi_yield_when_idle``),
+and the kernel's own ``ksoftirqd``, which processes loopback packets once
+softirqs back up. A rank alone on its core pays a syscall per try; without
+the yield, N=2 runs at 1M-16M fell into a mode of ~1.0 GB/s instead of
+2.1-3.0 in five of six runs (`ringcore-bench --np 2 -b 1M -e 16M -f 4`). Sends and receives therefore interleave (no
 deadlock when socket buffers fill), and large socket buffers
 (``RINGCORE_SOCKET_BUFFER``) let the kernel keep moving bytes while the
 thread is reducing a segment.
@@ -220,7 +224,6 @@ class TcpTransport:
         self.closed = False
         self.current = (-1, 0)  # (seq, signature) of the running collective
         self.spin = 0.0  # seconds to busy-poll before sleeping in poll (Settings.spin_seconds)
-        self.spin_yields = False  # sched_yield between polls while spinning (Settings.spin_yields)
 
     def expect(self, seq: int, signature: int) -> None:
         """Start collective ``seq``; a frame that arrived early may already show a disagreement."""
@@ -257,8 +260,7 @@ class TcpTransport:
         if timeout > 0 and self.spin:
             deadline = time.perf_counter() + min(self.spin, timeout)
             while time.perf_counter() < deadline:
-                if self.spin_yields:
-                    os.sched_yield()
+                os.sched_yield()
                 if self._pump():
                     return True
         poller = select.poll()

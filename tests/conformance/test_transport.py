@@ -427,23 +427,23 @@ def test_tcp_peer_names_are_addresses(tcp: Callable[..., list]) -> None:
     assert t[1].peer_name(0).startswith("127.0.0.1:")
 
 
-@pytest.mark.parametrize("yields", [False, True])
-def test_tcp_spin_polls_before_sleeping_and_yields_when_told(
-    tcp: Callable[..., list], monkeypatch: pytest.MonkeyPatch, yields: bool
+@pytest.mark.parametrize("spin", [0.0, 0.02])
+def test_tcp_spin_polls_and_yields_before_sleeping(
+    tcp: Callable[..., list], monkeypatch: pytest.MonkeyPatch, spin: float
 ) -> None:
-    """With nothing to receive, progress spins for ``spin`` (yielding if ``spin_yields``), then polls."""
+    """With nothing to receive, progress spins for ``spin`` calling sched_yield, then polls."""
     import os
 
     t = tcp(2, 1)
-    t[0].spin, t[0].spin_yields = 0.02, yields
+    t[0].spin = spin
     calls = []
     monkeypatch.setattr(os, "sched_yield", lambda: calls.append(1))
     got = np.zeros(4, np.uint8)
     request = t[0].irecv(1, 0, 5, SIG, view(got))
     started = time.monotonic()
     assert not t[0].progress(0.05)
-    assert time.monotonic() - started >= 0.02
-    assert (len(calls) > 0) == yields
+    assert time.monotonic() - started >= 0.05  # the spin, then poll's wait
+    assert (len(calls) > 0) == (spin > 0)
     drive(t[1], [t[1].isend(0, 0, 5, SIG, view(np.arange(4, dtype=np.uint8)))])
     drive(t[0], [request])
     np.testing.assert_array_equal(got, np.arange(4))
