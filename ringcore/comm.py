@@ -106,8 +106,7 @@ class Communicator:
         self.rank, self.size = rank, size
         self.local_rank, self.local_size = local_rank, local_size
         self.settings = settings
-        # identical on every rank (from the shared rendezvous records): slices must line up
-        self.allreduce_slice_bytes = settings.allreduce_slice_bytes(size, cache_slices)
+        self.cache_slices = cache_slices  # the same on every rank (shared rendezvous records)
         self.transport = transport
         self.store = store
         self.server = server
@@ -131,6 +130,11 @@ class Communicator:
             self.stall = StallInspector(
                 rank, size, store.address, store.connect_again, self.progress, settings
             )
+
+    @property
+    def allreduce_slice_bytes(self) -> int:
+        """Wire bytes per allreduce slice (``Settings.allreduce_slice_bytes``); equal on every rank."""
+        return self.settings.allreduce_slice_bytes(self.size, self.cache_slices)
 
     # ------------------------------------------------------------------ public API
 
