@@ -11,15 +11,16 @@ Concurrency. There are no I/O threads: the collective's own thread calls
 every connection with posted receives until the kernel says ``EAGAIN``, then
 keeps trying for ``spin`` seconds (waking a sleeping peer costs more than a
 small allreduce), calling ``sched_yield`` between tries, and only then sleeps
-in ``poll``. Yielding lets whatever shares the core run first: a peer rank
-when there are more ranks than cores (Open MPI's ``mpi_yield_when_idle``),
-and the kernel's own ``ksoftirqd``, which processes loopback packets once
-softirqs back up. A rank alone on its core pays a syscall per try; without
-the yield, N=2 runs at 1M-16M fell into a mode of ~1.0 GB/s instead of
-2.1-3.0 in five of six runs (`ringcore-bench --np 2 -b 1M -e 16M -f 4`). Sends and receives therefore interleave (no
-deadlock when socket buffers fill), and large socket buffers
-(``RINGCORE_SOCKET_BUFFER``) let the kernel keep moving bytes while the
-thread is reducing a segment.
+in ``poll``. Sends and receives therefore interleave (no deadlock when socket
+buffers fill), and large socket buffers (``RINGCORE_SOCKET_BUFFER``) let the
+kernel keep moving bytes while the thread is reducing a segment.
+
+Yielding lets whatever shares the core run first: a peer rank when there are
+more ranks than cores (Open MPI's ``mpi_yield_when_idle``), and the kernel's
+own ``ksoftirqd``, which processes loopback packets once softirqs back up. A
+rank alone on its core pays a syscall per try; without the yield, N=2 runs
+at 1M-16M fell into a mode of ~1.0 GB/s instead of 2.1-3.0 in five of six
+runs (``ringcore-bench --np 2 -b 1M -e 16M -f 4``).
 
 Connections. Channel 0 is a full mesh, so any algorithm can reach any peer
 and every rank notices a dead or aborting peer during any collective, even

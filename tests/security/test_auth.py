@@ -309,6 +309,17 @@ def test_store_rejects_strangers_and_logs_them(store: StoreServer, ringcore_log:
     assert all(KEY.decode() not in m for m in messages)
 
 
+def test_store_close_ends_handshakes_in_progress_without_calling_them_rejected(
+    store: StoreServer, ringcore_log: list
+) -> None:
+    silent = socket.create_connection(("127.0.0.1", store.port), timeout=BOUND)
+    with silent:
+        time.sleep(0.2)  # the server is now waiting for this client's half of the handshake
+        store.close()  # joins the handshake threads, so their log lines are in
+    messages = [r.getMessage() for r in ringcore_log]
+    assert not any("rejected" in m for m in messages), messages
+
+
 def test_store_client_with_wrong_key_says_so(store: StoreServer) -> None:
     with pytest.raises(AuthenticationError) as info:
         StoreClient("127.0.0.1", store.port, 5.0, b"wrong", handshake_timeout=2.0)
