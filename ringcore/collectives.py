@@ -82,11 +82,10 @@ def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
     buffer = as_buffer(obj, writable=True, what="allreduce buffer")
     reduce_op, comp = ReduceOp.parse(op), Compression.parse(compression)
     _check_reduction(buffer, reduce_op, comp, "allreduce")
+    fields = (buffer.dtype.name, buffer.shape, reduce_op.value, None, comp.value)  # a plan may run many times
 
     def run(comm: Communicator, seq: int) -> Any:
-        desc = Descriptor(
-            "allreduce", seq, buffer.dtype.name, buffer.shape, reduce_op.value, None, comp.value
-        )
+        desc = Descriptor("allreduce", seq, *fields)
         if comm.size > 1 and buffer.device == "cuda":
             from ringcore.device import plans
 
@@ -101,9 +100,12 @@ def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
                 arrays = comm.scratch_arrays(schedule, piece, reducer.wire_dtype)
                 if schedule.prefill_work:
                     reducer.convert(arrays[Buf.WORK], piece.array)
-                exposed = piece.count if writes_user(schedule) and not comm.settings.atomic else 0
-                with failure_note(start, exposed, buffer.count):
+                try:
                     comm.execute(desc, schedule, arrays, reducer, sub=part)
+                except BaseException as err:  # a plain try: a context manager costs small allreduces
+                    exposed = piece.count if writes_user(schedule) and not comm.settings.atomic else 0
+                    note_failure(err, start, exposed, buffer.count)
+                    raise
                 if schedule.result is not None and schedule.result.buf != Buf.USER:
                     reducer.convert(piece.array, arrays[Buf.WORK])
         return obj
@@ -184,31 +186,36 @@ def writes_user(schedule: Schedule) -> bool:
 
 @contextlib.contextmanager
 def failure_note(start: int, exposed: int, count: int) -> Iterator[None]:
-    """On failure, note which of the buffer's ``count`` elements hold what.
+    """On failure, note which of the buffer's ``count`` elements hold what (see :func:`note_failure`)."""
+    try:
+        yield
+    except BaseException as err:
+        note_failure(err, start, exposed, count)
+        raise
+
+
+def note_failure(err: BaseException, start: int, exposed: int, count: int) -> None:
+    """Add notes to ``err`` saying which of the buffer's ``count`` elements hold what.
 
     ``start``: earlier slices are done; ``exposed``: how many elements from
     ``start`` on the failed run may have written (0 when it writes only after
     success, or with ``RINGCORE_ATOMIC=1``); the rest are untouched. Ranks
     that disagree fail before any reduced data reaches the buffer.
     """
-    try:
-        yield
-    except BaseException as err:
-        if isinstance(err, MismatchError):
-            exposed = 0
-        if start:
-            err.add_note(
-                f"ringcore: elements [0, {start}) of {count} already hold the result (large buffers "
-                "are reduced slice by slice, RINGCORE_SLICE_BYTES)"
-            )
-        if exposed:
-            err.add_note(
-                f"ringcore: elements [{start}, {start + exposed}) of {count} may hold partial sums "
-                "(set RINGCORE_ATOMIC=1 to have a failed allreduce restore them)"
-            )
-        if (start or exposed) and start + exposed < count:
-            err.add_note("ringcore: the other elements are untouched")
-        raise
+    if isinstance(err, MismatchError):
+        exposed = 0
+    if start:
+        err.add_note(
+            f"ringcore: elements [0, {start}) of {count} already hold the result (large buffers "
+            "are reduced slice by slice, RINGCORE_SLICE_BYTES)"
+        )
+    if exposed:
+        err.add_note(
+            f"ringcore: elements [{start}, {start + exposed}) of {count} may hold partial sums "
+            "(set RINGCORE_ATOMIC=1 to have a failed allreduce restore them)"
+        )
+    if (start or exposed) and start + exposed < count:
+        err.add_note("ringcore: the other elements are untouched")
 
 
 def _host_only(buffer: Buffer, what: str) -> Buffer:

@@ -1,0 +1,74 @@
+"""Small allreduces of the same array reuse its plan: results, and that nothing stale is reused.
+
+``Communicator._allreduce_plan`` keeps the validated plan of a small numpy
+array. These tests reduce one array object again and again over real
+processes and sockets, change what the cache keys on in between (values, op,
+shape, writability, dtype through a new object), and check every result
+against numpy and every refusal against a fresh plan's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.cluster import Cluster
+
+
+def reduce_one_array_again_and_again(comm: Any) -> dict[str, Any]:
+    """Reduce one array object in several ways; what each call returned, and the refusals."""
+    x = np.zeros(1000, np.float32)
+    out: dict[str, Any] = {"steps": []}
+    for step in range(6):
+        x[:] = np.arange(1000) * (comm.rank + 1) + step  # new values, same object
+        assert comm.allreduce(x) is x
+        out["steps"].append(x.copy())
+    x[:] = comm.rank
+    comm.allreduce(x, op="max")  # the same object, another op
+    out["max"] = x.copy()
+    x.shape = (10, 100)  # reshaped in place: same object, new shape
+    x[:] = 1
+    comm.allreduce(x)
+    out["reshaped"] = x.copy()
+    x.flags.writeable = False  # the cached plan must not be reused for a read-only array
+    try:
+        comm.allreduce(x)
+    except ValueError as err:
+        out["read_only"] = str(err)
+    x.flags.writeable = True
+    comm.allreduce(x)  # still usable, and every rank still agrees on the order
+    out["after"] = x.copy()
+    ints = np.full(7, comm.rank + 1, np.int64)
+    for _ in range(3):
+        comm.allreduce(ints, op="prod")
+    out["prod"] = ints.copy()
+    y = np.ones(1000, np.float32)
+    comm.allreduce(y)
+    if comm.rank == 0:
+        y.shape = (10, 100)  # now the ranks disagree, which the cached plan must not hide
+    try:
+        comm.allreduce(y)
+    except Exception as err:  # the communicator is unusable afterwards: this comes last
+        out["disagree"] = type(err).__name__
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_reusing_one_small_array_gives_numpy_results_and_the_same_refusals() -> None:
+    size = 3
+    with Cluster(size) as cluster:
+        reports = cluster.results(reduce_one_array_again_and_again, timeout=60)
+    weight = sum(r + 1 for r in range(size))
+    for report in reports:
+        for step, got in enumerate(report["steps"]):
+            want = (np.arange(1000) * weight + size * step).astype(np.float32)
+            np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(report["max"], np.full(1000, size - 1, np.float32))
+        assert report["reshaped"].shape == (10, 100)
+        np.testing.assert_array_equal(report["reshaped"], np.full((10, 100), size, np.float32))
+        assert "read-only" in report["read_only"]
+        np.testing.assert_array_equal(report["after"], np.full((10, 100), size**2, np.float32))
+        np.testing.assert_array_equal(report["prod"], np.full(7, 6**9, np.int64))  # 1*2*3, then cubed twice
+        assert report["disagree"] == "MismatchError"
