@@ -116,6 +116,7 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
         store,
         server,
         cache_slices=tcp and where.one_host and not where.crowded,
+        crowded_host=tcp and where.one_host and where.crowded,
     )
     try:
         comm.confirm_world()

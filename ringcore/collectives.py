@@ -123,8 +123,9 @@ def allreduce_schedule(comm: Communicator, count: int, itemsize: int, in_place: 
     """Recursive doubling for small buffers (latency), the ring for the rest (bandwidth)."""
     settings = comm.settings
     if count * itemsize <= settings.small_bytes or count < comm.size:
-        return recursive_doubling.allreduce(comm.rank, comm.size, count, itemsize, settings.segment_bytes)
-    return ring.allreduce(comm.rank, comm.size, count, itemsize, settings.segment_bytes, in_place)
+        return recursive_doubling.allreduce(comm.rank, comm.size, count, itemsize, settings.segment_size())
+    segment_bytes = settings.segment_size(comm.crowded_host)
+    return ring.allreduce(comm.rank, comm.size, count, itemsize, segment_bytes, in_place)
 
 
 def plan_broadcast(obj: Any, root: int, rank: int, size: int) -> Plan:
@@ -148,7 +149,7 @@ def plan_broadcast(obj: Any, root: int, rank: int, size: int) -> Plan:
                     root,
                     piece.count,
                     buffer.dtype.itemsize,
-                    comm.settings.segment_bytes,
+                    comm.settings.segment_size(),
                 )
                 arrays = comm.scratch_arrays(schedule, piece, buffer.dtype.storage)
                 with failure_note(start, 0, buffer.count):
@@ -249,7 +250,7 @@ def plan_allgather(obj: Any) -> Plan:
             desc = Descriptor("allgather", seq, buffer.dtype.name, trailing)
             reducer = comm.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
             schedule = ring.allgather(
-                comm.rank, comm.size, chunks, buffer.dtype.itemsize, comm.settings.segment_bytes
+                comm.rank, comm.size, chunks, buffer.dtype.itemsize, comm.settings.segment_size()
             )
             comm.execute(desc, schedule, {Buf.WORK: out}, reducer)
         return _as_caller_dtype(out, obj).reshape((sum(counts), *trailing))
@@ -303,7 +304,7 @@ def plan_reduce_scatter(obj: Any, op: Any, compression: Any) -> Plan:
             out[:] = buffer.array
         else:
             schedule = ring.reduce_scatter(
-                comm.rank, comm.size, chunks, reducer.wire_dtype.itemsize, comm.settings.segment_bytes
+                comm.rank, comm.size, chunks, reducer.wire_dtype.itemsize, comm.settings.segment_size()
             )
             arrays = comm.scratch_arrays(schedule, buffer, reducer.wire_dtype)
             comm.execute(desc, schedule, arrays, reducer)

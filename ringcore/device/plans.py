@@ -97,7 +97,7 @@ def broadcast(comm: Communicator, desc: Descriptor, buffer: Buffer, root: int) -
         ctx.layer.after_producer(ctx.staging.compute, buffer)
         reducer = ctx.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
         schedule = chain.broadcast(
-            comm.rank, comm.size, root, buffer.count, buffer.dtype.itemsize, comm.settings.segment_bytes
+            comm.rank, comm.size, root, buffer.count, buffer.dtype.itemsize, comm.settings.segment_size()
         )
         arrays = ctx.scratch_arrays(schedule, user, buffer.dtype.storage)
         comm.execute(desc, schedule, arrays, reducer, staging=ctx.staging)

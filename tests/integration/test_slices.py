@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 
 import ringcore
 from ringcore.buffers import as_buffer
-from ringcore.collectives import _slices, failure_note
+from ringcore.collectives import _slices, allreduce_schedule, failure_note
 from ringcore.config import MIB, SCRATCH_SLICE_BYTES
 from tests import tasks
 from tests.cluster import Background, Cluster, RankError, qualified
@@ -106,6 +107,13 @@ def slice_sizes(comm: object) -> tuple[int, int]:
     return comm.allreduce_slice_bytes, comm.settings.scratch_slice_bytes()  # type: ignore[attr-defined]
 
 
+def ring_segment_bytes(comm: Any) -> int:
+    """Bytes per segment of this communicator's allreduce ring (48 MiB of float32: 2 or 3 equal chunks)."""
+    count = 3 << 22
+    schedule = allreduce_schedule(comm, count, 4, in_place=True)
+    return count // comm.size * 4 // schedule.segments
+
+
 @pytest.mark.timeout(120)
 def test_a_ring_on_one_uncrowded_host_reduces_in_cache_sized_slices() -> None:
     """Two ranks with a CPU each: 2 MiB allreduce slices by default; results still match numpy."""
@@ -139,3 +147,14 @@ def test_a_crowded_host_keeps_the_scratch_budget() -> None:
         pytest.skip("needs fewer than 3 CPUs to crowd 3 ranks")
     with Cluster(3) as cluster:
         assert [size for size, _ in cluster.results(slice_sizes)] == [SCRATCH_SLICE_BYTES] * 3
+        assert cluster.results(ring_segment_bytes) == [2 * MIB] * 3  # larger segments: fewer wake-ups
+
+
+@pytest.mark.timeout(60)
+def test_an_uncrowded_host_keeps_512k_segments_and_a_set_size_wins() -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs: with more ranks than CPUs the ring takes 2 MiB segments")
+    with Cluster(2) as cluster:
+        assert cluster.results(ring_segment_bytes) == [512 * 1024] * 2
+    with Cluster(3, env={"RINGCORE_SEGMENT_BYTES": "256K"}) as cluster:
+        assert cluster.results(ring_segment_bytes) == [256 * 1024] * 3
