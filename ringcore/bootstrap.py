@@ -115,8 +115,8 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
         transport,
         store,
         server,
-        cache_slices=tcp and where.one_host and not where.crowded,
-        crowded_host=tcp and where.one_host and where.crowded,
+        cache_slices=where.cache_slices(tcp),
+        wide_segments=where.wide_segments(tcp),
     )
     try:
         comm.confirm_world()

@@ -124,7 +124,7 @@ def allreduce_schedule(comm: Communicator, count: int, itemsize: int, in_place: 
     settings = comm.settings
     if count * itemsize <= settings.small_bytes or count < comm.size:
         return recursive_doubling.allreduce(comm.rank, comm.size, count, itemsize, settings.segment_size())
-    segment_bytes = settings.segment_size(comm.crowded_host)
+    segment_bytes = settings.segment_size(comm.wide_segments)
     return ring.allreduce(comm.rank, comm.size, count, itemsize, segment_bytes, in_place)
 
 

@@ -103,13 +103,13 @@ class Communicator:
         store: StoreClient | None = None,
         server: StoreServer | None = None,
         cache_slices: bool = False,
-        crowded_host: bool = False,
+        wide_segments: bool = False,
     ) -> None:
         self.rank, self.size = rank, size
         self.local_rank, self.local_size = local_rank, local_size
         self.settings = settings
         self.cache_slices = cache_slices  # the same on every rank (shared rendezvous records)
-        self.crowded_host = crowded_host  # TCP, one host, fewer CPUs than ranks: larger segments
+        self.wide_segments = wide_segments  # TCP ring without cache slices: 2 MiB segments (segment_size)
         self.transport = transport
         self.store = store
         self.server = server

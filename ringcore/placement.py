@@ -35,6 +35,14 @@ class Placement:
         """This host runs more ranks than it has CPUs for them."""
         return self.local_size > self.host_cpus
 
+    def cache_slices(self, tcp: bool) -> bool:
+        """Allreduce in cache-sized slices: TCP, one host, a CPU per rank (``Settings.allreduce_slice_bytes``)."""
+        return tcp and self.one_host and not self.crowded
+
+    def wide_segments(self, tcp: bool) -> bool:
+        """2 MiB ring segments: TCP without cache-sized slices (``Settings.segment_size``)."""
+        return tcp and not self.cache_slices(tcp)
+
 
 def describe_me(local_size: int | None) -> dict[str, Any]:
     """What :func:`place` needs to know about this rank, for its rendezvous record."""

@@ -156,5 +156,5 @@ def test_an_uncrowded_host_keeps_512k_segments_and_a_set_size_wins() -> None:
         pytest.skip("needs 2 CPUs: with more ranks than CPUs the ring takes 2 MiB segments")
     with Cluster(2) as cluster:
         assert cluster.results(ring_segment_bytes) == [512 * 1024] * 2
-    with Cluster(3, env={"RINGCORE_SEGMENT_BYTES": "256K"}) as cluster:
+    with Cluster(3, env={"RINGCORE_SEGMENT_BYTES": "256K"}) as cluster:  # crowded, yet as set
         assert cluster.results(ring_segment_bytes) == [256 * 1024] * 3

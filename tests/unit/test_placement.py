@@ -45,3 +45,15 @@ def test_describe_me_reports_this_process() -> None:
     me = describe_me(None)
     assert me["hostname"] and me["cpus"] and me["local_size"] is None
     assert all(isinstance(cpu, int) for cpu in me["cpus"])
+
+
+def test_the_ring_is_tuned_alike_on_every_rank_from_the_placement() -> None:
+    """Cache slices on one uncrowded host over TCP; 2 MiB segments on every other TCP ring."""
+    uncrowded = [record("a", [0]), record("a", [1])]
+    crowded = [record("a", [0, 1]) for _ in range(3)]
+    cluster = [record("n", [0, 1], local_size=1) for _ in range(4)]  # netns hosts share a host name
+    for records, slices, wide in ((uncrowded, True, False), (crowded, False, True), (cluster, False, True)):
+        for rank in range(len(records)):
+            where = place(rank, records)
+            assert (where.cache_slices(tcp=True), where.wide_segments(tcp=True)) == (slices, wide)
+            assert not where.cache_slices(tcp=False) and not where.wide_segments(tcp=False)  # RDMA
