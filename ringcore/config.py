@@ -127,9 +127,9 @@ class Settings:
     def segment_size(self, wide: bool = False) -> int:
         """Bytes per pipelined segment: ``RINGCORE_SEGMENT_BYTES`` when set.
 
-        Auto: 512 KiB, or 2 MiB with ``wide``: the allreduce ring over TCP
-        except on one host with a CPU per rank (whose cache-sized slices hold
-        two 512 KiB segments per rank). Fewer, larger segments cost less
+        Auto: 512 KiB, or 2 MiB with ``wide``: the uncompressed allreduce ring
+        over TCP except on one host with a CPU per rank (whose cache-sized
+        slices hold two 512 KiB segments per rank). Fewer, larger segments cost less
         Python and fewer wake-ups per byte. Measured side by side: N=4 on 2
         cores 6-8% faster at 4-64 MiB; the emulated 4-host cluster the same
         at 1 Gbit/s (a segment's time does not stall the pipeline, whose

@@ -107,10 +107,13 @@ def slice_sizes(comm: object) -> tuple[int, int]:
     return comm.allreduce_slice_bytes, comm.settings.scratch_slice_bytes()  # type: ignore[attr-defined]
 
 
-def ring_segment_bytes(comm: Any) -> int:
-    """Bytes per segment of this communicator's allreduce ring (48 MiB of float32: 2 or 3 equal chunks)."""
+def ring_segment_bytes(comm: Any, in_place: bool = True) -> int:
+    """Bytes per segment of this communicator's allreduce ring (48 MiB of float32: 2 or 3 equal chunks).
+
+    ``in_place=False`` is the compressed ring (its wire dtype differs from the buffer's).
+    """
     count = 3 << 22
-    schedule = allreduce_schedule(comm, count, 4, in_place=True)
+    schedule = allreduce_schedule(comm, count, 4, in_place=in_place)
     return count // comm.size * 4 // schedule.segments
 
 
@@ -148,6 +151,7 @@ def test_a_crowded_host_keeps_the_scratch_budget() -> None:
     with Cluster(3) as cluster:
         assert [size for size, _ in cluster.results(slice_sizes)] == [SCRATCH_SLICE_BYTES] * 3
         assert cluster.results(ring_segment_bytes) == [2 * MIB] * 3  # larger segments: fewer wake-ups
+        assert cluster.results(ring_segment_bytes, False) == [512 * 1024] * 3  # compressed: casts overlap
 
 
 @pytest.mark.timeout(60)
