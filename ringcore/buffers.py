@@ -130,6 +130,11 @@ def as_buffer(obj: Any, *, writable: bool, what: str = "buffer") -> Buffer:
         )
     if writable and not array.flags.writeable:
         raise ValueError(f"{what} is read-only, but this collective writes its result into it in place")
+    return checked_buffer(array, dtype)
+
+
+def checked_buffer(array: np.ndarray, dtype: DType) -> Buffer:
+    """The :class:`Buffer` of a contiguous numpy ``array`` already found to hold ``dtype``."""
     flat = array.reshape(-1)
     if dtype.name == "bfloat16":
         flat = flat.view(np.uint16)

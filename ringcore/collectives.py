@@ -78,11 +78,21 @@ def _check_root(root: int, size: int, what: str) -> int:
     return int(root)
 
 
-def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
+def check_allreduce(obj: Any, op: Any, compression: Any) -> tuple[Buffer, ReduceOp, Compression]:
+    """Validate an allreduce's arguments (``TypeError``/``ValueError`` before anything is sent)."""
     buffer = as_buffer(obj, writable=True, what="allreduce buffer")
     reduce_op, comp = ReduceOp.parse(op), Compression.parse(compression)
     _check_reduction(buffer, reduce_op, comp, "allreduce")
-    fields = (buffer.dtype.name, buffer.shape, reduce_op.value, None, comp.value)  # a plan may run many times
+    return buffer, reduce_op, comp
+
+
+def plan_allreduce(obj: Any, op: Any, compression: Any, size: int) -> Plan:
+    return plan_checked_allreduce(obj, *check_allreduce(obj, op, compression))
+
+
+def plan_checked_allreduce(obj: Any, buffer: Buffer, reduce_op: ReduceOp, comp: Compression) -> Plan:
+    """The plan of an allreduce whose arguments :func:`check_allreduce` accepted."""
+    fields = (buffer.dtype.name, buffer.shape, reduce_op.value, None, comp.value)
 
     def run(comm: Communicator, seq: int) -> Any:
         desc = Descriptor("allreduce", seq, *fields)

@@ -1,14 +1,17 @@
-"""Small allreduces of the same array reuse its plan: results, and that nothing stale is reused.
+"""Small allreduces skip validation for array layouts that passed it: results, and nothing stale.
 
-``Communicator._allreduce_plan`` keeps the validated plan of a small numpy
-array. These tests reduce one array object again and again over real
-processes and sockets, change what the cache keys on in between (values, op,
-shape, writability, dtype through a new object), and check every result
-against numpy and every refusal against a fresh plan's.
+``Communicator._allreduce_plan`` remembers which (dtype, shape, strides, op,
+compression) passed validation. These tests reduce arrays again and again
+over real processes and sockets, change what the cache keys on in between
+(values, op, shape, writability, the array object), check every result
+against numpy and every refusal against a fresh validation's, and check that
+no reference to the caller's array is kept.
 """
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import numpy as np
@@ -38,8 +41,25 @@ def reduce_one_array_again_and_again(comm: Any) -> dict[str, Any]:
     except ValueError as err:
         out["read_only"] = str(err)
     x.flags.writeable = True
+    strided = np.zeros((10, 200), np.float32)[:, ::2]  # x's dtype and shape, but not contiguous
+    try:
+        comm.allreduce(strided)
+    except ValueError as err:
+        out["strided"] = str(err)
     comm.allreduce(x)  # still usable, and every rank still agrees on the order
     out["after"] = x.copy()
+    other = np.empty_like(x)  # same layout, another object: its own memory, not x's
+    for step in range(3):
+        other[:] = comm.rank + step
+        x[:] = -1
+        comm.allreduce(other)
+        out.setdefault("other", []).append((other.copy(), x.copy()))
+    gone = np.ones(16, np.float32)
+    ref = weakref.ref(gone)
+    comm.allreduce(gone)
+    del gone
+    gc.collect()
+    out["released"] = ref() is None
     ints = np.full(7, comm.rank + 1, np.int64)
     for _ in range(3):
         comm.allreduce(ints, op="prod")
@@ -68,7 +88,12 @@ def test_reusing_one_small_array_gives_numpy_results_and_the_same_refusals() -> 
         np.testing.assert_array_equal(report["max"], np.full(1000, size - 1, np.float32))
         assert report["reshaped"].shape == (10, 100)
         np.testing.assert_array_equal(report["reshaped"], np.full((10, 100), size, np.float32))
-        assert "read-only" in report["read_only"]
+        assert "writes its result into it in place" in report["read_only"]  # refused before sending
+        assert "not contiguous" in report["strided"]
         np.testing.assert_array_equal(report["after"], np.full((10, 100), size**2, np.float32))
+        for step, (got, untouched) in enumerate(report["other"]):
+            np.testing.assert_array_equal(got, np.full((10, 100), sum(range(size)) + size * step, np.float32))
+            np.testing.assert_array_equal(untouched, np.full((10, 100), -1, np.float32))
+        assert report["released"], "the communicator kept a reference to the caller's array"
         np.testing.assert_array_equal(report["prod"], np.full(7, 6**9, np.int64))  # 1*2*3, then cubed twice
         assert report["disagree"] == "MismatchError"
