@@ -290,9 +290,8 @@ class Communicator:
                 handle._finish(error=err)
 
     def _run_turn(self, plan: collectives.Plan, ticket: int, seq: int) -> Any:
-        if (
-            self._turn != ticket
-        ):  # only the thread whose turn it is moves _turn on, so no lock to see it is ours
+        # Only the thread whose turn it is moves _turn on, so seeing it is ours needs no lock.
+        if self._turn != ticket:
             with self._cond:
                 while self._turn != ticket:
                     self._waiters += 1
