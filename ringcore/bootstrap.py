@@ -105,7 +105,7 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
     where = place(world.rank, peers, world.local_rank)
     tcp = isinstance(transport, TcpTransport)
     if tcp:
-        transport.spin = settings.spin_seconds(where.local_size)
+        transport.spin = settings.spin_seconds()
     comm = Communicator(
         world.rank,
         world.size,

@@ -114,7 +114,7 @@ class Settings:
             ib_gid_index=reader.int("RINGCORE_IB_GID_INDEX", None, minimum=0, maximum=4095),
         )
 
-    def spin_seconds(self, local_size: int) -> float:
+    def spin_seconds(self) -> float:
         """How long a waiting rank polls its sockets before it sleeps in ``poll``.
 
         Waking a sleeping peer costs both sides tens of microseconds (on a VM,

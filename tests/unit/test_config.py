@@ -129,13 +129,12 @@ def test_atomic_is_off_unless_set(text: str, atomic: bool) -> None:
 def test_spin_is_auto_unless_set() -> None:
     assert Settings.from_env({}).spin_us is None
     assert Settings.from_env({"RINGCORE_SPIN_US": "auto"}).spin_us is None
-    assert Settings.from_env({"RINGCORE_SPIN_US": "0"}).spin_seconds(1) == 0.0
-    assert Settings.from_env({"RINGCORE_SPIN_US": "50"}).spin_seconds(1000) == pytest.approx(50e-6)
+    assert Settings.from_env({"RINGCORE_SPIN_US": "0"}).spin_seconds() == 0.0
+    assert Settings.from_env({"RINGCORE_SPIN_US": "50"}).spin_seconds() == pytest.approx(50e-6)
 
 
-def test_auto_spin_is_the_same_for_any_number_of_ranks() -> None:
-    auto = Settings.from_env({})
-    assert auto.spin_seconds(1) == auto.spin_seconds(64) == pytest.approx(AUTO_SPIN_US / 1e6)
+def test_auto_spin_is_200_us() -> None:
+    assert Settings.from_env({}).spin_seconds() == pytest.approx(AUTO_SPIN_US / 1e6)
 
 
 def test_allreduce_slices_are_cache_sized_only_on_an_uncrowded_host_unless_set() -> None:
