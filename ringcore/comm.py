@@ -23,11 +23,12 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ringcore import collectives
+from ringcore import collectives, latency
 from ringcore.algo import lockstep
 from ringcore.algo.execute import Executor
 from ringcore.algo.lockstep import LockstepExecutor
@@ -180,12 +181,16 @@ class Communicator:
         except TypeError:  # an unhashable op or compression: let the planner reject or accept it
             return collectives.plan_allreduce(buf, op, compression, self.size)
         if checked is not None and buf.flags.writeable:
-            dtype, reduce_op, comp = checked
-            return collectives.plan_checked_allreduce(buf, checked_buffer(buf, dtype), reduce_op, comp)
+            dtype, reduce_op, comp, small = checked
+            buffer = checked_buffer(buf, dtype)
+            if small is not None:
+                return small.plan(buf, buffer)
+            return collectives.plan_checked_allreduce(buf, buffer, reduce_op, comp)
         buffer, reduce_op, comp = collectives.check_allreduce(buf, op, compression)
         if len(self._checked) >= _CHECKED_CACHE:
             self._checked.clear()
-        self._checked[key] = (buffer.dtype, reduce_op, comp)
+        small = latency.small_allreduce(self, buffer, reduce_op, comp)
+        self._checked[key] = (buffer.dtype, reduce_op, comp, small)
         return collectives.plan_checked_allreduce(buf, buffer, reduce_op, comp)
 
     def allreduce_async(
@@ -354,11 +359,15 @@ class Communicator:
         making them than moving its bytes); they are dropped whenever a pool
         grows, so no view keeps an outgrown pool alive.
         """
-        key = (schedule.scratch, buffer.count, wire_dtype)
+        return {Buf.USER: buffer.array, **self.scratch_views(schedule, buffer.count, wire_dtype)}
+
+    def scratch_views(self, schedule: Schedule, count: int, wire_dtype: np.dtype) -> dict[Buf, np.ndarray]:
+        """The scratch buffers of :meth:`scratch_arrays`, without USER."""
+        key = (schedule.scratch, count, wire_dtype)
         views = self._views.get(key)
         if views is None:
-            views = self._views[key] = self._make_views(schedule.scratch, buffer.count, wire_dtype)
-        return {Buf.USER: buffer.array, **views}
+            views = self._views[key] = self._make_views(schedule.scratch, count, wire_dtype)
+        return views
 
     def _make_views(self, bufs: tuple[Buf, ...], count: int, wire_dtype: np.dtype) -> dict[Buf, np.ndarray]:
         nbytes = count * wire_dtype.itemsize
@@ -410,8 +419,12 @@ class Communicator:
         else:
             timeline = self.timeline if desc.seq else None  # #0 is init's barrier, not the user's
             executor = Executor(*common, timeout, timeline=timeline, interrupt=interrupt, atomic=atomic)
+        self.run_guarded(desc, executor.run)
+
+    def run_guarded(self, desc: Descriptor, run: Callable[[], None]) -> None:
+        """Call ``run`` (a schedule's execution); on failure, tell the peers, break the communicator, raise."""
         try:
-            executor.run()
+            run()
         except (FrameMismatch, PeerAborted, PeerFailure, CollectiveTimeout, ProtocolError) as err:
             error = self._translate(desc, err)
             self._broken = error

@@ -19,6 +19,12 @@ the sender, so a peer that disagrees (e.g. on a broadcast's root, and so
 never receives from this rank) learns of it at once instead of both waiting
 until the timeout.
 
+Binding. :func:`bind` resolves a compiled schedule's regions to views once;
+:func:`run_bound` runs bound steps. The executor binds per call; a small
+allreduce bound per array layout (:mod:`ringcore.latency`) binds once and
+reuses the steps. Waiting goes through the transport's ``exchange`` when it
+has one (TCP's latency path), else ``progress``.
+
 What it does not do, so :func:`fits` sends those schedules to the Executor:
 pipelining (more than one segment), writing the caller's buffer (in-place
 receives and ``commit`` steps need the backup and restore), converting USER to
@@ -58,6 +64,7 @@ class Compiled:
     steps: tuple[tuple[int, Frame | None, Frame | None, tuple[Key, Key, Key] | None, bool], ...]
     eligible: bool  # one segment, never writes USER
     sends_user: bool  # some step sends straight from USER (needs WORK in the same dtype)
+    touches_user: bool  # some step sends from, receives into or reduces USER
     early: tuple[int, ...]  # steps whose (empty) receive is posted before the first step
 
 
@@ -92,7 +99,13 @@ def _compile(schedule: Schedule, transport: Transport) -> Compiled:
         eligible = eligible and not step.commit
         reduce = (key(step.reduce[0]), key(step.reduce[1]), key(step.reduce[2])) if step.reduce else None
         steps.append((wire.make_tag(0, step.phase, 0), send, recv, reduce, step.final))
-    return Compiled(tuple(steps), eligible, sends_user, tuple(early))
+    touches_user = any(
+        region.buf == Buf.USER
+        for step in schedule.steps
+        for region in (step.send, step.recv, *(step.reduce or ()))
+        if region is not None
+    )
+    return Compiled(tuple(steps), eligible, sends_user, touches_user, tuple(early))
 
 
 def fits(schedule: Schedule, transport: Transport, arrays: dict[Buf, np.ndarray]) -> bool:
@@ -104,6 +117,67 @@ def fits(schedule: Schedule, transport: Transport, arrays: dict[Buf, np.ndarray]
         user, work = arrays.get(Buf.USER), arrays.get(Buf.WORK)
         return user is None or work is None or user.dtype == work.dtype
     return True
+
+
+Wire = tuple[int, int, memoryview]  # (peer, channel, bytes)
+Bound = tuple[int, Wire | None, Wire | None, tuple[np.ndarray, np.ndarray, np.ndarray] | None, bool]
+
+
+def bind(compiled: Compiled, arrays: dict[Buf, np.ndarray]) -> tuple[Bound, ...]:
+    """``compiled``'s steps with their regions resolved to views of ``arrays``.
+
+    A step is ``(tag bits, (peer, channel, view) | None, same for the receive,
+    (dst, a, b) arrays | None, final)``. Binding once and running many times
+    (:class:`ringcore.latency.SmallAllreduce`) saves a small allreduce the
+    slicing and casting of every call.
+    """
+
+    def view(key: Key) -> np.ndarray:
+        buf, lo, hi = key
+        return arrays[Buf(buf)][lo:hi]
+
+    bound: list[Bound] = []
+    for tag_bits, send, recv, reduce, final in compiled.steps:
+        wire_send = (send[0], send[1], memoryview(view(send[2])).cast("B")) if send else None
+        wire_recv = (recv[0], recv[1], memoryview(view(recv[2])).cast("B")) if recv else None
+        arrays_of = (view(reduce[0]), view(reduce[1]), view(reduce[2])) if reduce else None
+        bound.append((tag_bits, wire_send, wire_recv, arrays_of, final))
+    return tuple(bound)
+
+
+def run_bound(
+    transport: Transport,
+    steps: tuple[Bound, ...],
+    early: tuple[int, ...],
+    reducer: Reducer,
+    seq_bits: int,
+    signature: int,
+    timeout: float,
+    interrupt: Callable[[], str | None] | None = None,
+) -> None:
+    """Run bound ``steps`` in order (see the module docstring); on failure, cancel and re-raise."""
+    try:
+        transport.expect(seq_bits >> 32, signature)
+        exchange = getattr(transport, "exchange", None)  # a transport's latency path (TCP's)
+        posted = {index: _post_receive(transport, steps[index], seq_bits, signature) for index in early}
+        for index, (tag_bits, send, recv, reduce, final) in enumerate(steps):
+            sent = received = None
+            if send is not None:
+                sent = transport.isend(send[0], send[1], seq_bits | tag_bits, signature, send[2])
+            if recv is not None:
+                received = (
+                    posted[index]
+                    if index in posted
+                    else transport.irecv(recv[0], recv[1], seq_bits | tag_bits, signature, recv[2])
+                )
+            done = (sent is None or sent.done) and (received is None or received.done)
+            if not done and (exchange is None or not exchange(sent, received)):
+                _wait(transport, sent, received, timeout, interrupt)
+            if reduce is not None:
+                reducer.combine(reduce[0], reduce[1], reduce[2], final)
+    except BaseException:
+        transport.cancel()
+        raise
 
 
 class LockstepExecutor:
@@ -122,7 +196,7 @@ class LockstepExecutor:
     ) -> None:
         self.transport = transport
         self.compiled = compile_steps(schedule, transport)
-        self.arrays = [arrays.get(Buf.USER), arrays.get(Buf.WORK), arrays.get(Buf.STAGE)]
+        self.arrays = arrays
         self.reducer = reducer
         self.seq_bits = (seq & 0xFFFFFFFF) << 32
         self.signature = signature
@@ -131,60 +205,45 @@ class LockstepExecutor:
 
     def run(self) -> None:
         """Run every step; on failure, drop whatever is still queued and re-raise."""
-        try:
-            self._run()
-        except BaseException:
-            self.transport.cancel()
-            raise
+        run_bound(
+            self.transport,
+            bind(self.compiled, self.arrays),
+            self.compiled.early,
+            self.reducer,
+            self.seq_bits,
+            self.signature,
+            self.timeout,
+            self.interrupt,
+        )
 
-    def _run(self) -> None:
-        transport, signature, seq_bits, arrays = self.transport, self.signature, self.seq_bits, self.arrays
-        transport.expect(seq_bits >> 32, signature)
-        posted = {index: self._receive(index) for index in self.compiled.early}
-        for index, (tag_bits, send, recv, reduce, final) in enumerate(self.compiled.steps):
-            sent = received = None
-            if send is not None:
-                peer, channel, (buf, lo, hi) = send
-                view = memoryview(arrays[buf][lo:hi]).cast("B")
-                sent = transport.isend(peer, channel, seq_bits | tag_bits, signature, view)
-            if recv is not None:
-                received = posted[index] if index in posted else self._receive(index)
-            if not ((sent is None or sent.done) and (received is None or received.done)):
-                self._wait(sent, received)
-            if reduce is not None:
-                dst, a, b = reduce
-                self.reducer.combine(
-                    arrays[dst[0]][dst[1] : dst[2]],
-                    arrays[a[0]][a[1] : a[2]],
-                    arrays[b[0]][b[1] : b[2]],
-                    final,
-                )
 
-    def _receive(self, index: int) -> Request:
-        tag_bits, _, recv, _, _ = self.compiled.steps[index]
-        assert recv is not None
-        peer, channel, (buf, lo, hi) = recv
-        view = memoryview(self.arrays[buf][lo:hi]).cast("B")
-        return self.transport.irecv(peer, channel, self.seq_bits | tag_bits, self.signature, view)
+def _post_receive(transport: Transport, step: Bound, seq_bits: int, signature: int) -> Request:
+    tag_bits, _, recv, _, _ = step
+    assert recv is not None
+    return transport.irecv(recv[0], recv[1], seq_bits | tag_bits, signature, recv[2])
 
-    def _wait(self, sent: Request | None, received: Request | None) -> None:
-        transport = self.transport
-        last_moved = time.monotonic()
-        while not ((sent is None or sent.done) and (received is None or received.done)):
-            if transport.progress(0.5):
-                last_moved = time.monotonic()
-            elif time.monotonic() - last_moved > self.timeout:
-                raise CollectiveTimeout(
-                    f"no progress for {self.timeout:g} s: {self._pending(sent, received)}"
-                )
-            elif self.interrupt is not None and (reason := self.interrupt()):
-                raise CollectiveTimeout(reason)
 
-    @staticmethod
-    def _pending(sent: Request | None, received: Request | None) -> str:
-        waits = [
-            f"{what} rank {request.peer} ({wire.describe_tag(request.tag)})"
-            for what, request in (("send to", sent), ("receive from", received))
-            if request is not None and not request.done
-        ]
-        return "waiting for " + ", ".join(waits)
+def _wait(
+    transport: Transport,
+    sent: Request | None,
+    received: Request | None,
+    timeout: float,
+    interrupt: Callable[[], str | None] | None,
+) -> None:
+    last_moved = time.monotonic()
+    while not ((sent is None or sent.done) and (received is None or received.done)):
+        if transport.progress(0.5):
+            last_moved = time.monotonic()
+        elif time.monotonic() - last_moved > timeout:
+            raise CollectiveTimeout(f"no progress for {timeout:g} s: {_pending(sent, received)}")
+        elif interrupt is not None and (reason := interrupt()):
+            raise CollectiveTimeout(reason)
+
+
+def _pending(sent: Request | None, received: Request | None) -> str:
+    waits = [
+        f"{what} rank {request.peer} ({wire.describe_tag(request.tag)})"
+        for what, request in (("send to", sent), ("receive from", received))
+        if request is not None and not request.done
+    ]
+    return "waiting for " + ", ".join(waits)

@@ -15,6 +15,13 @@ in ``poll``. Sends and receives therefore interleave (no deadlock when socket
 buffers fill), and large socket buffers (``RINGCORE_SOCKET_BUFFER``) let the
 kernel keep moving bytes while the thread is reducing a segment.
 
+Latency path. A small collective run step by step
+(:mod:`ringcore.algo.lockstep`) waits on one send and one receive at a time;
+``exchange`` spins on just those two sockets and reads a frame's header and
+payload with one ``recvmsg_into`` (into scratch memory only: an unexpected
+frame is recognised after its first bytes landed). The queues stay the source
+of truth, so ``progress`` takes over wherever ``exchange`` stops.
+
 Yielding lets whatever shares the core run first: a peer rank when there are
 more ranks than cores (Open MPI's ``mpi_yield_when_idle``), and the kernel's
 own ``ksoftirqd``, which processes loopback packets once softirqs back up. A
@@ -130,6 +137,35 @@ class _Conn:
             self.early = False
         return moved
 
+    def pull_scratch(self) -> bool:
+        """``pump_recv`` for the head receive, header and payload in one ``recvmsg_into``.
+
+        One syscall per small frame instead of two. Only for receives into
+        scratch memory: a frame other than the expected one (an ABORT, a
+        mismatch) is recognised only after its first bytes spilled into the
+        view. An ABORT's spilled bytes are its reason and are read from there.
+        """
+        request, signature = self.recvs[0]
+        moved = False
+        while self.header_got < wire.HEADER_BYTES:
+            try:
+                got = self.sock.recvmsg_into(
+                    [memoryview(self.header)[self.header_got :], request.view[self.payload_got :]]
+                )[0]
+            except (BlockingIOError, InterruptedError):
+                return moved
+            except OSError as err:
+                raise self.fail(f"broke the connection ({err.strerror})") from None
+            if got == 0:
+                raise self.fail("closed the connection")
+            moved = True
+            header = min(got, wire.HEADER_BYTES - self.header_got)
+            self.header_got += header
+            self.payload_got += got - header
+            if self.header_got == wire.HEADER_BYTES:
+                self._check_header(request, signature, request.view[: self.payload_got])
+        return self.pump_recv() or moved
+
     def _read(self, view: memoryview) -> int | None:
         try:
             got = self.sock.recv_into(view)
@@ -141,10 +177,15 @@ class _Conn:
             raise self.fail("closed the connection")
         return got
 
-    def _check_header(self, request: Request, signature: int) -> None:
+    def _check_header(self, request: Request, signature: int, spilled: memoryview | None = None) -> None:
+        """Raise unless the header just read is the DATA frame ``request`` expects.
+
+        ``spilled``: payload bytes read together with the header (``pull_scratch``).
+        """
         kind, tag, got_signature, nbytes = wire.unpack(self.header)
         if kind == wire.ABORT:
-            raise PeerAborted(self.peer, wire.decode_abort(self._read_control(nbytes)))
+            head = bytes(spilled[:nbytes]) if spilled is not None else b""
+            raise PeerAborted(self.peer, wire.decode_abort(head + self._read_control(nbytes - len(head))))
         if kind == wire.BYE:
             self.departed = True
             raise self.fail("shut down (called shutdown()) while this rank still expected data from it")
@@ -279,6 +320,46 @@ class TcpTransport:
             else:
                 conn.check_idle(self.current)
         return self._pump() if ready else False
+
+    def exchange(self, sent: Request | None, received: Request | None) -> bool:
+        """Finish one send and one receive on their own sockets, spinning at most ``spin`` s.
+
+        The latency path of :class:`~ringcore.algo.lockstep.LockstepExecutor`:
+        no walk over every connection per try, and one ``recvmsg_into`` per
+        frame (``pull_scratch``, so ``received`` must land in scratch memory).
+        Both requests must be first in their connection's queue; the queues
+        stay the source of truth, so when this returns False (not done, or not
+        at the head) ``progress`` carries on from where it stopped.
+        """
+        send_conn = recv_conn = None
+        if sent is not None and not sent.done:
+            send_conn = self.conns[(sent.peer, sent.channel)]
+            if send_conn.sends[0].request is not sent:
+                return False
+        if received is not None and not received.done:
+            recv_conn = self.conns[(received.peer, received.channel)]
+            if recv_conn.recvs[0][0] is not received:
+                return False
+        deadline = 0.0
+        while True:
+            moved = False
+            if send_conn is not None:
+                moved = send_conn.pump_send()
+                if sent.done:  # type: ignore[union-attr]
+                    send_conn = None
+            if recv_conn is not None:
+                moved = recv_conn.pull_scratch() or moved
+                if received.done:  # type: ignore[union-attr]
+                    recv_conn = None
+            if send_conn is None and recv_conn is None:
+                return True
+            if not moved:
+                now = time.perf_counter()
+                if not deadline:
+                    deadline = now + self.spin
+                elif now > deadline:
+                    return False
+                os.sched_yield()
 
     def _pump(self) -> bool:
         moved = False

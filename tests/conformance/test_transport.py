@@ -456,6 +456,68 @@ def test_tcp_channels_beyond_zero_go_to_ring_neighbours(tcp: Callable[..., list]
     assert {t[0].route(1, k) for k in range(6)} == {0, 1, 2}
 
 
+def exchange_until_done(transport, sent: Request | None, received: Request | None) -> None:
+    """What the lockstep executor does: the latency path, then progress when it gives up."""
+    end = time.monotonic() + DEADLINE
+    while not transport.exchange(sent, received):
+        assert time.monotonic() < end, "exchange never finished"
+        transport.progress(0.05)
+
+
+@pytest.mark.parametrize("nbytes", [0, 8, 4096, 3 << 20])
+def test_tcp_exchange_moves_a_send_and_a_receive_both_ways(tcp: Callable[..., list], nbytes: int) -> None:
+    """Frames larger than the socket buffers too: exchange stops spinning, progress finishes."""
+    t = tcp(2, 1)
+    t[0].spin = t[1].spin = 0.001
+    data = [np.random.default_rng(rank).integers(0, 255, nbytes, np.uint8) for rank in range(2)]
+    got = [np.zeros(nbytes, np.uint8) for _ in range(2)]
+
+    def side(rank: int) -> None:
+        peer = 1 - rank
+        sent = t[rank].isend(peer, 0, 7, SIG, view(data[rank]))
+        received = t[rank].irecv(peer, 0, 7, SIG, view(got[rank]))
+        exchange_until_done(t[rank], sent, received)
+        assert sent.done and received.done
+
+    in_parallel(lambda: side(0), lambda: side(1))
+    np.testing.assert_array_equal(got[0], data[1])
+    np.testing.assert_array_equal(got[1], data[0])
+
+
+def test_tcp_exchange_leaves_requests_not_first_in_line_to_progress(tcp: Callable[..., list]) -> None:
+    t = tcp(2, 1)
+    first = t[0].irecv(1, 0, 1, SIG, view(np.zeros(4, np.uint8)))
+    second = t[0].irecv(1, 0, 2, SIG, view(np.zeros(4, np.uint8)))
+    assert not t[0].exchange(None, second)  # first must be read first
+    drive(t[1], [t[1].isend(0, 0, 1, SIG, view(np.ones(4, np.uint8)))])
+    drive(t[1], [t[1].isend(0, 0, 2, SIG, view(np.ones(4, np.uint8)))])
+    exchange_until_done(t[0], None, first)
+    exchange_until_done(t[0], None, second)
+
+
+@pytest.mark.parametrize("room", [4096, 8])  # the reason fits in the bytes read with the header, or not
+def test_tcp_exchange_reads_an_abort_reason_that_came_with_its_header(
+    tcp: Callable[..., list], room: int
+) -> None:
+    t = tcp(2, 1)
+    reason = {"kind": "timeout", "culprit": 1, "message": "rank 1 gave up: " + "x" * 300}
+    out = np.zeros(room, np.uint8)
+    received = t[0].irecv(1, 0, 1, SIG, view(out))
+    t[1].abort(reason)
+    with pytest.raises(PeerAborted) as info:
+        exchange_until_done(t[0], None, received)
+    assert info.value.peer == 1 and info.value.reason == reason
+
+
+def test_tcp_exchange_refuses_a_mismatched_frame(tcp: Callable[..., list]) -> None:
+    t = tcp(2, 1)
+    received = t[0].irecv(1, 0, 5, SIG, view(np.zeros(16, np.uint8)))
+    drive(t[1], [t[1].isend(0, 0, 6, SIG, view(np.ones(16, np.uint8)))])
+    with pytest.raises(FrameMismatch) as info:
+        exchange_until_done(t[0], None, received)
+    assert info.value.field == "tag" and info.value.peer == 1
+
+
 @pytest.mark.parametrize("kind", ["tcp", "rdma-fake"])
 def test_an_early_frame_of_the_next_collective_is_checked_when_it_starts(kind: str) -> None:
     """Rank 0 starts collective #6 while rank 1 is still in #5, and they disagree on #6.

@@ -1,0 +1,192 @@
+"""The bound small-allreduce path (``ringcore.latency``): results, agreement, failures.
+
+A small numpy allreduce whose layout already passed validation runs steps
+bound once to their scratch. These tests run it over real processes and
+sockets: mixed with ranks on the general path in the same collective (the
+frames must be the same), against numpy for several dtypes, ops and fp16
+compression, and with a peer that died or stopped, where the caller's buffer
+must come back untouched and every survivor must name the culprit.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ringcore
+from ringcore.latency import SmallAllreduce
+from tests import tasks
+from tests.cluster import Background, Cluster, RankError, qualified
+
+CASES = [  # (dtype, op, compression)
+    ("float32", "sum", None),
+    ("float64", "avg", None),
+    ("int32", "max", None),
+    ("int64", "prod", None),
+    ("float32", "sum", "fp16"),
+]
+ROUNDS = 5
+
+
+def _value(rank: int, round_: int, count: int, dtype: str) -> np.ndarray:
+    return ((np.arange(count) % 7) + rank + round_).astype(dtype)
+
+
+def _bound(comm: Any) -> int:
+    """How many of ``comm``'s remembered layouts run on bound steps."""
+    return sum(
+        1
+        for entry in comm._checked.values()
+        if isinstance(entry[3], SmallAllreduce) and entry[3].steps is not None
+    )
+
+
+def mixed_paths(comm: Any, count: int) -> dict[str, Any]:
+    """Reduce each case ROUNDS times; rank r forgets its layouts on rounds where (round + r) % 3 == 0."""
+    out: dict[str, Any] = {"results": {}, "bound": []}
+    for round_ in range(ROUNDS):
+        if (round_ + comm.rank) % 3 == 0:
+            comm._checked.clear()  # this rank takes the general path this round, the others may not
+        for dtype, op, compression in CASES:
+            x = _value(comm.rank, round_, count, dtype)
+            assert comm.allreduce(x, op=op, compression=compression) is x
+            out["results"].setdefault(f"{dtype}-{op}-{compression}", []).append(x.copy())
+        out["bound"].append(_bound(comm))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_bound_and_general_paths_agree_and_match_numpy(size: int) -> None:
+    count = 999  # odd: recursive doubling's uneven halves
+    with Cluster(size) as cluster:
+        reports = cluster.results(mixed_paths, count, timeout=90)
+    for dtype, op, compression in CASES:
+        for round_ in range(ROUNDS):
+            inputs = np.stack([_value(rank, round_, count, dtype) for rank in range(size)])
+            want = {
+                "sum": inputs.sum(0),
+                "avg": inputs.sum(0) / size,
+                "max": inputs.max(0),
+                "prod": inputs.prod(0),
+            }[op].astype(dtype)
+            for rank, report in enumerate(reports):
+                got = report["results"][f"{dtype}-{op}-{compression}"][round_]
+                np.testing.assert_array_equal(
+                    got, want, err_msg=f"{dtype} {op} {compression} round {round_} rank {rank}"
+                )
+    for rank, report in enumerate(reports):
+        # Rounds after one where this rank kept its layouts ran on bound steps.
+        assert max(report["bound"]) == len(CASES), (rank, report["bound"])
+
+
+def warm_then_report(comm: Any, count: int) -> int:
+    x = np.ones(count, np.float32)
+    for _ in range(3):
+        comm.allreduce(x)
+    return _bound(comm)
+
+
+@pytest.mark.timeout(90)
+def test_peer_dead_before_a_bound_allreduce() -> None:
+    """The layout is bound on every rank; rank 1 dies; the others fail naming it, buffers untouched."""
+    count = 1000  # tasks.allreduce_until_failure reduces float32 (count,): the warmed layout
+    with Cluster(3, env={"RINGCORE_TIMEOUT": "20"}) as cluster:
+        assert cluster.results(warm_then_report, count) == [1, 1, 1]
+        cluster.kill(1)
+        reports = cluster.run(tasks.allreduce_until_failure, count, 3, ranks=[0, 2], timeout=60)
+    for rank, report in zip([0, 2], reports, strict=True):
+        assert report["error"] == qualified(ringcore.PeerFailure), (rank, report)
+        assert report["peer"] == 1 and "rank 1" in report["message"], (rank, report)
+        assert report["rounds"] == 0 and report["untouched"], (rank, report)
+        assert report["exposed"] is None, (rank, report)  # nothing of the caller's buffer was written
+
+
+@pytest.mark.timeout(120)
+def test_stopped_peer_times_out_a_bound_allreduce() -> None:
+    """SIGSTOP rank 1 while the others loop on a bound layout: CollectiveTimeout, buffers untouched."""
+    count, victim, survivors = 1000, 1, [0, 2]
+    with Cluster(3, env={"RINGCORE_TIMEOUT": "3"}) as cluster:
+        assert cluster.results(warm_then_report, count) == [1, 1, 1]
+        try:
+            stopped = Background(
+                cluster, tasks.allreduce_until_failure, count, 10**7, ranks=[victim], timeout=90
+            )
+            working = Background(
+                cluster, tasks.allreduce_until_failure, count, 10**7, ranks=survivors, timeout=90
+            )
+            time.sleep(0.5)
+            cluster.kill(victim, signal.SIGSTOP)
+            reports = working.join(60)
+            for rank, report in zip(survivors, reports, strict=True):
+                assert not isinstance(report, RankError), (rank, report)
+                assert report["error"] == qualified(ringcore.CollectiveTimeout), (rank, report)
+                assert report["rounds"] > 0 and report["untouched"], (rank, report)
+                # Rank 0 waits on rank 1 itself. Rank 2 waits on rank 0: it names rank 1 when rank 0's
+                # ABORT reaches it first, or rank 0 when its own timer fires first.
+                assert "rank 1" in report["message"] or "from rank 0" in report["message"], (rank, report)
+            cluster.kill(victim, signal.SIGCONT)
+            (resumed,) = stopped.join(60)
+            assert not isinstance(resumed, RankError), resumed
+            assert resumed["error"] in (
+                qualified(ringcore.CollectiveTimeout),
+                qualified(ringcore.PeerFailure),
+            )
+        finally:
+            cluster.kill(victim, signal.SIGCONT)
+
+
+def bound_then_disagree(comm: Any) -> dict[str, Any]:
+    """Both layouts bound on every rank, then rank 0 picks the other op: a mismatch, buffer untouched."""
+    x = np.arange(100, dtype=np.float32)
+    for op in ("sum", "max", "sum", "max"):
+        comm.allreduce(x, op=op)
+    before = x.copy()
+    try:
+        comm.allreduce(x, op="max" if comm.rank == 0 else "sum")
+    except ringcore.MismatchError as err:
+        return {"error": "MismatchError", "message": str(err), "untouched": bool((x == before).all())}
+    return {"error": "none"}
+
+
+@pytest.mark.timeout(90)
+def test_mismatch_on_bound_layouts_names_the_rank() -> None:
+    with Cluster(3, env={"RINGCORE_TIMEOUT": "10"}) as cluster:
+        reports = cluster.results(bound_then_disagree)
+    for rank, report in enumerate(reports):
+        assert report["error"] == "MismatchError", (rank, report)
+        assert "rank 0 passed max" in report["message"] and "ranks 1-2 passed sum" in report["message"], (
+            report
+        )
+        assert report["untouched"], (rank, report)
+
+
+def async_then_small(comm: Any, big: int) -> dict[str, Any]:
+    """A large allreduce_async in flight while bound small allreduces queue behind it, in order."""
+    small = np.ones(64, np.float32)
+    comm.allreduce(small)  # bind
+    large = np.full(big, comm.rank + 1, np.float32)
+    handle = comm.allreduce_async(large)
+    results = []
+    for step in range(5):
+        small[:] = comm.rank + step
+        comm.allreduce(small)
+        results.append(small.copy())
+    handle.wait(60)
+    return {"large": float(large[0]), "small": results, "bound": _bound(comm)}
+
+
+@pytest.mark.timeout(90)
+def test_bound_allreduce_waits_its_turn_behind_async_work() -> None:
+    size = 3
+    with Cluster(size) as cluster:
+        reports = cluster.results(async_then_small, 2_000_000)
+    for report in reports:
+        assert report["large"] == sum(range(1, size + 1))
+        for step, got in enumerate(report["small"]):
+            np.testing.assert_array_equal(got, np.full(64, sum(range(size)) + size * step, np.float32))
+        assert report["bound"] == 1
