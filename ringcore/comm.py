@@ -126,6 +126,7 @@ class Communicator:
         self._reducers: dict[tuple[str, ReduceOp, Compression], Reducer] = {}
         self._checked: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # layouts that validated (_allreduce_plan)
         self._device: DeviceContext | None = None
+        self.bound_barrier: latency.BoundBarrier | None = None  # made in the first barrier's turn
         self.progress = Progress()
         self.timeline: Timeline | None = None
         if settings.timeline:
@@ -222,7 +223,7 @@ class Communicator:
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
-        self._call(collectives.plan_barrier())
+        self._call(latency.plan_barrier(self))
 
     def shutdown(self) -> None:
         """Finish queued async work, say goodbye to peers and close everything; idempotent."""
@@ -248,6 +249,7 @@ class Communicator:
         self._checked.clear()
         self._reducers.clear()
         self._device = None
+        self.bound_barrier = None
 
     def __enter__(self) -> Communicator:
         return self

@@ -190,3 +190,47 @@ def test_bound_allreduce_waits_its_turn_behind_async_work() -> None:
         for step, got in enumerate(report["small"]):
             np.testing.assert_array_equal(got, np.full(64, sum(range(size)) + size * step, np.float32))
         assert report["bound"] == 1
+
+
+def barriers_mixed(comm: Any, rounds: int) -> dict[str, Any]:
+    """Barriers with ranks on the bound and the general plan in the same barrier, then a mismatch."""
+    import time
+
+    from ringcore import collectives
+
+    left = []
+    for round_ in range(rounds):
+        if (round_ + comm.rank) % 2:
+            comm._call(collectives.plan_barrier())
+        else:
+            comm.barrier()
+        if comm.rank == round_ % comm.size:
+            time.sleep(0.05)  # the last to enter: nobody may leave the next barrier before this rank
+        entered = time.monotonic()
+        comm.barrier()
+        left.append((entered, time.monotonic()))
+    x = np.ones(10, np.float32)
+    try:
+        comm.barrier() if comm.rank == 1 else comm.allreduce(x)
+    except ringcore.MismatchError as err:
+        return {"left": left, "bound": comm.bound_barrier is not None, "error": str(err)}
+    return {"left": left, "bound": comm.bound_barrier is not None, "error": None}
+
+
+@pytest.mark.timeout(90)
+def test_bound_and_general_barriers_agree_and_hold() -> None:
+    """Clocks are per process, but one host's monotonic clock is shared: compare them directly."""
+    size, rounds = 3, 6
+    with Cluster(size, env={"RINGCORE_TIMEOUT": "10"}) as cluster:
+        reports = cluster.results(barriers_mixed, rounds)
+    for round_ in range(rounds):
+        last_in = max(report["left"][round_][0] for report in reports)
+        first_out = min(report["left"][round_][1] for report in reports)
+        assert first_out >= last_in, f"round {round_}: a rank left the barrier before the last one entered"
+    for rank, report in enumerate(reports):
+        assert report["bound"], rank
+        assert (
+            report["error"]
+            and "the collective" in report["error"]
+            and "rank 1 passed barrier" in report["error"]
+        )
