@@ -114,7 +114,8 @@ class Communicator:
         self.transport = transport
         self.store = store
         self.server = server
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)  # `with self._lock`: Condition's __enter__ is Python
         self._waiters = 0  # threads waiting in _run_turn for their ticket
         self._next_ticket = self._turn = 0
         self._broken: BaseException | None = None
@@ -263,7 +264,7 @@ class Communicator:
     # ------------------------------------------------------------------ ordering
 
     def _take_ticket(self, plan: collectives.Plan) -> tuple[int, int]:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise CommunicatorClosed(
                     f"{plan.kind}: the communicator was shut down; call ringcore.init() again"
@@ -323,7 +324,7 @@ class Communicator:
             if self.timeline is not None:
                 args = {"seq": seq, "name": plan.name, "bytes": plan.nbytes, **plan.details}
                 self.timeline.complete(f"{plan.kind} #{seq}", "collective", start, Timeline.now_us(), args)
-            with self._cond:
+            with self._lock:
                 self._turn += 1
                 if self._waiters:  # notify_all is slow Python even with nobody waiting
                     self._cond.notify_all()

@@ -158,21 +158,30 @@ def run_bound(
     """Run bound ``steps`` in order (see the module docstring); on failure, cancel and re-raise."""
     try:
         transport.expect(seq_bits >> 32, signature)
-        exchange = getattr(transport, "exchange", None)  # a transport's latency path (TCP's)
+        swap = getattr(transport, "swap", None)  # a transport's latency path (TCP's)
+        exchange = getattr(transport, "exchange", None)
         posted = {index: _post_receive(transport, steps[index], seq_bits, signature) for index in early}
         for index, (tag_bits, send, recv, reduce, final) in enumerate(steps):
-            sent = received = None
-            if send is not None:
-                sent = transport.isend(send[0], send[1], seq_bits | tag_bits, signature, send[2])
-            if recv is not None:
-                received = (
-                    posted[index]
-                    if index in posted
-                    else transport.irecv(recv[0], recv[1], seq_bits | tag_bits, signature, recv[2])
-                )
-            done = (sent is None or sent.done) and (received is None or received.done)
-            if not done and (exchange is None or not exchange(sent, received)):
-                _wait(transport, sent, received, timeout, interrupt)
+            pair = (
+                None if swap is None or index in posted else swap(send, recv, seq_bits | tag_bits, signature)
+            )
+            if pair is not None:
+                sent, received = pair
+                if sent is not None or received is not None:
+                    _wait(transport, sent, received, timeout, interrupt)
+            else:
+                sent = received = None
+                if send is not None:
+                    sent = transport.isend(send[0], send[1], seq_bits | tag_bits, signature, send[2])
+                if recv is not None:
+                    received = (
+                        posted[index]
+                        if index in posted
+                        else transport.irecv(recv[0], recv[1], seq_bits | tag_bits, signature, recv[2])
+                    )
+                done = (sent is None or sent.done) and (received is None or received.done)
+                if not done and (exchange is None or not exchange(sent, received)):
+                    _wait(transport, sent, received, timeout, interrupt)
             if reduce is not None:
                 reducer.combine(reduce[0], reduce[1], reduce[2], final)
     except BaseException:

@@ -124,7 +124,7 @@ class _Conn:
                 self.header_got += got
                 if self.header_got < wire.HEADER_BYTES:
                     continue
-                self._check_header(request, signature)
+                self._check_header(request.tag, request.nbytes, signature)
             while self.payload_got < request.nbytes:
                 got = self._read(request.view[self.payload_got :])
                 if got is None:
@@ -163,7 +163,7 @@ class _Conn:
             self.header_got += header
             self.payload_got += got - header
             if self.header_got == wire.HEADER_BYTES:
-                self._check_header(request, signature, request.view[: self.payload_got])
+                self._check_header(request.tag, request.nbytes, signature, request.view[: self.payload_got])
         return self.pump_recv() or moved
 
     def _read(self, view: memoryview) -> int | None:
@@ -177,15 +177,15 @@ class _Conn:
             raise self.fail("closed the connection")
         return got
 
-    def _check_header(self, request: Request, signature: int, spilled: memoryview | None = None) -> None:
-        """Raise unless the header just read is the DATA frame ``request`` expects.
+    def _check_header(self, tag: int, nbytes: int, signature: int, spilled: memoryview | None = None) -> None:
+        """Raise unless the header just read is the DATA frame expected (``tag``, ``nbytes`` bytes).
 
         ``spilled``: payload bytes read together with the header (``pull_scratch``).
         """
-        kind, tag, got_signature, nbytes = wire.unpack(self.header)
+        kind, got_tag, got_signature, got_nbytes = wire.unpack(self.header)
         if kind == wire.ABORT:
-            head = bytes(spilled[:nbytes]) if spilled is not None else b""
-            raise PeerAborted(self.peer, wire.decode_abort(head + self._read_control(nbytes - len(head))))
+            head = bytes(spilled[:got_nbytes]) if spilled is not None else b""
+            raise PeerAborted(self.peer, wire.decode_abort(head + self._read_control(got_nbytes - len(head))))
         if kind == wire.BYE:
             self.departed = True
             raise self.fail("shut down (called shutdown()) while this rank still expected data from it")
@@ -193,10 +193,10 @@ class _Conn:
             raise wire.ProtocolError(f"unexpected frame kind {kind} from rank {self.peer}")
         if got_signature != signature:
             raise FrameMismatch(self.peer, "signature", signature, got_signature)
-        if tag != request.tag:
-            raise FrameMismatch(self.peer, "tag", request.tag, tag)
-        if nbytes != request.nbytes:
-            raise FrameMismatch(self.peer, "nbytes", request.nbytes, nbytes)
+        if got_tag != tag:
+            raise FrameMismatch(self.peer, "tag", tag, got_tag)
+        if got_nbytes != nbytes:
+            raise FrameMismatch(self.peer, "nbytes", nbytes, got_nbytes)
 
     def _read_control(self, nbytes: int) -> bytes:
         """Read a small control payload, waiting at most a few seconds."""
@@ -320,6 +320,76 @@ class TcpTransport:
             else:
                 conn.check_idle(self.current)
         return self._pump() if ready else False
+
+    def swap(
+        self,
+        send: tuple[int, int, memoryview] | None,
+        recv: tuple[int, int, memoryview] | None,
+        tag: int,
+        signature: int,
+    ) -> tuple[Request | None, Request | None] | None:
+        """One lockstep step straight on its sockets, with no request unless it must wait.
+
+        ``send``/``recv`` are ``(peer, channel, view)``; ``recv`` must be scratch
+        memory (see ``pull_scratch``). Returns None, having done nothing, when
+        either connection has frames queued (post with ``isend``/``irecv``
+        instead). Otherwise sends, then receives for up to ``spin`` seconds,
+        and returns what is left as queued requests (None for each part that
+        is done), exactly as if they had been posted and half moved, so
+        ``progress`` finishes them.
+        """
+        send_conn = self.conns[(send[0], send[1])] if send is not None else None
+        recv_conn = self.conns[(recv[0], recv[1])] if recv is not None else None
+        if (send_conn is not None and send_conn.sends) or (recv_conn is not None and recv_conn.recvs):
+            return None
+        sent = None
+        if send_conn is not None:
+            view = send[2]  # type: ignore[index]
+            header = wire.pack(wire.DATA, tag, signature, view.nbytes)
+            try:
+                moved = send_conn.sock.sendmsg([header, view])
+            except (BlockingIOError, InterruptedError):
+                moved = 0
+            except OSError as err:
+                raise send_conn.fail(f"broke the connection while we were sending ({err.strerror})") from None
+            if moved < wire.HEADER_BYTES + view.nbytes:
+                sent = Request(send[0], send_conn.channel, tag, view)  # type: ignore[index]
+                queued = _Send(sent, header)
+                queued.offset = moved
+                send_conn.sends.append(queued)
+        if recv_conn is None:
+            return sent, None
+        view = recv[2]  # type: ignore[index]
+        head, sock, total = memoryview(recv_conn.header), recv_conn.sock, wire.HEADER_BYTES + view.nbytes
+        got, deadline = 0, 0.0
+        while got < total:
+            try:
+                moved = sock.recvmsg_into(
+                    [head[got:], view] if got < wire.HEADER_BYTES else [view[got - wire.HEADER_BYTES :]]
+                )[0]
+            except (BlockingIOError, InterruptedError):
+                if sent is not None and send_conn.pump_send() and sent.done:  # type: ignore[union-attr]
+                    sent = None
+                now = time.perf_counter()
+                if not deadline:
+                    deadline = now + self.spin
+                elif now > deadline:  # hand over to progress: as if posted with irecv and half read
+                    received = Request(recv[0], recv_conn.channel, tag, view)  # type: ignore[index]
+                    recv_conn.header_got = min(got, wire.HEADER_BYTES)
+                    recv_conn.payload_got = got - recv_conn.header_got
+                    recv_conn.recvs.append((received, signature))
+                    return sent, received
+                os.sched_yield()
+                continue
+            except OSError as err:
+                raise recv_conn.fail(f"broke the connection ({err.strerror})") from None
+            if moved == 0:
+                raise recv_conn.fail("closed the connection")
+            if got < wire.HEADER_BYTES <= got + moved:
+                recv_conn._check_header(tag, view.nbytes, signature, view[: got + moved - wire.HEADER_BYTES])
+            got += moved
+        recv_conn.early = False
+        return sent, None
 
     def exchange(self, sent: Request | None, received: Request | None) -> bool:
         """Finish one send and one receive on their own sockets, spinning at most ``spin`` s.

@@ -518,6 +518,59 @@ def test_tcp_exchange_refuses_a_mismatched_frame(tcp: Callable[..., list]) -> No
     assert info.value.field == "tag" and info.value.peer == 1
 
 
+def swap_until_done(transport, send: tuple | None, recv: tuple | None, tag: int) -> None:
+    """One lockstep step on TCP's direct path; whatever it hands back, progress finishes."""
+    left = transport.swap(send, recv, tag, SIG)
+    assert left is not None, "swap refused idle connections"
+    drive(transport, [request for request in left if request is not None])
+
+
+@pytest.mark.parametrize("nbytes", [0, 8, 4096, 3 << 20])
+def test_tcp_swap_moves_a_step_both_ways(tcp: Callable[..., list], nbytes: int) -> None:
+    """3 MiB does not fit the socket buffers: the send is queued half sent and the receive handed over."""
+    t = tcp(2, 1)
+    t[0].spin = t[1].spin = 0.001
+    data = [np.random.default_rng(rank).integers(0, 255, nbytes, np.uint8) for rank in range(2)]
+    got = [np.zeros(nbytes, np.uint8) for _ in range(2)]
+
+    def side(rank: int) -> None:
+        peer = 1 - rank
+        swap_until_done(t[rank], (peer, 0, view(data[rank])), (peer, 0, view(got[rank])), 9)
+
+    in_parallel(lambda: side(0), lambda: side(1))
+    np.testing.assert_array_equal(got[0], data[1])
+    np.testing.assert_array_equal(got[1], data[0])
+    assert not any(conn.sends or conn.recvs for transport in t for conn in transport.conns.values())
+
+
+def test_tcp_swap_refuses_busy_connections(tcp: Callable[..., list]) -> None:
+    t = tcp(2, 1)
+    t[0].irecv(1, 0, 1, SIG, view(np.zeros(4, np.uint8)))
+    assert t[0].swap(None, (1, 0, view(np.zeros(4, np.uint8))), 2, SIG) is None
+    t[1].isend(0, 0, 1, SIG, view(np.ones(4, np.uint8)))
+    assert t[1].swap((0, 0, view(np.ones(4, np.uint8))), None, 2, SIG) is None
+
+
+@pytest.mark.parametrize("room", [4096, 8])
+def test_tcp_swap_reads_an_abort_reason_that_came_with_its_header(
+    tcp: Callable[..., list], room: int
+) -> None:
+    t = tcp(2, 1)
+    reason = {"kind": "peer_failure", "culprit": 1, "message": "rank 1 stopped: " + "y" * 300}
+    t[1].abort(reason)
+    with pytest.raises(PeerAborted) as info:
+        swap_until_done(t[0], None, (1, 0, view(np.zeros(room, np.uint8))), 1)
+    assert info.value.peer == 1 and info.value.reason == reason
+
+
+def test_tcp_swap_refuses_a_mismatched_frame(tcp: Callable[..., list]) -> None:
+    t = tcp(2, 1)
+    drive(t[1], [t[1].isend(0, 0, 6, SIG, view(np.ones(16, np.uint8)))])
+    with pytest.raises(FrameMismatch) as info:
+        swap_until_done(t[0], None, (1, 0, view(np.zeros(16, np.uint8))), 5)
+    assert info.value.field == "tag" and info.value.peer == 1
+
+
 @pytest.mark.parametrize("kind", ["tcp", "rdma-fake"])
 def test_an_early_frame_of_the_next_collective_is_checked_when_it_starts(kind: str) -> None:
     """Rank 0 starts collective #6 while rank 1 is still in #5, and they disagree on #6.
