@@ -202,7 +202,7 @@ class Communicator:
 
         Do not read or write ``buf`` until then.
         """
-        return self._call_async(collectives.plan_allreduce(buf, op, compression, self.size), name)
+        return self._call_async(self._allreduce_plan(buf, op, compression), name)
 
     def broadcast(self, buf: Any, root: int = 0, name: str | None = None) -> Any:
         """Copy ``root``'s ``buf`` into every rank's ``buf``, in place; returns ``buf``."""

@@ -177,7 +177,11 @@ def async_then_small(comm: Any, big: int) -> dict[str, Any]:
         comm.allreduce(small)
         results.append(small.copy())
     handle.wait(60)
-    return {"large": float(large[0]), "small": results, "bound": _bound(comm)}
+    queued = [np.full(64, comm.rank + step, np.float32) for step in range(4)]  # bound layout, async
+    handles = [comm.allreduce_async(x) for x in queued]
+    for handle in handles:
+        handle.wait(60)
+    return {"large": float(large[0]), "small": results, "queued": queued, "bound": _bound(comm)}
 
 
 @pytest.mark.timeout(90)
@@ -188,6 +192,8 @@ def test_bound_allreduce_waits_its_turn_behind_async_work() -> None:
     for report in reports:
         assert report["large"] == sum(range(1, size + 1))
         for step, got in enumerate(report["small"]):
+            np.testing.assert_array_equal(got, np.full(64, sum(range(size)) + size * step, np.float32))
+        for step, got in enumerate(report["queued"]):
             np.testing.assert_array_equal(got, np.full(64, sum(range(size)) + size * step, np.float32))
         assert report["bound"] == 1
 
