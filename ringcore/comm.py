@@ -173,7 +173,9 @@ class Communicator:
         array whose dtype, shape and strides (hence contiguity) match one that
         passed validation with the same op and compression, and which is still
         writable, validates the same, so only its :class:`Buffer` is made.
-        Nothing of the caller's array is kept.
+        Nothing of the caller's array is kept. A layout small enough for
+        recursive doubling also keeps its steps bound to scratch
+        (:mod:`ringcore.latency`).
         """
         if type(buf) is not np.ndarray or buf.nbytes > self.settings.small_bytes:
             return collectives.plan_allreduce(buf, op, compression, self.size)

@@ -10,13 +10,14 @@ and 100 us per call added 74, 138 and 225 us).
 
 Theory of operation. :meth:`Communicator._allreduce_plan` remembers each
 validated layout (dtype, shape, strides, op, compression). For a layout that
-qualifies (:func:`bind_allreduce`), it also keeps a :class:`SmallAllreduce`:
+qualifies (:func:`small_allreduce`), it also keeps a :class:`SmallAllreduce`:
 the signature, the reducer, the recursive-doubling schedule bound to its own
 scratch views (:func:`ringcore.algo.lockstep.bind`). A call then copies the
 caller's array into WORK, runs the bound steps with
 :func:`ringcore.algo.lockstep.run_bound` (the same frames, tags and checks as
-every other path, so ranks on different paths agree) and copies the result
-back. Ordering, failure handling and the stall inspector are the
+every other path, so ranks on different paths agree; over TCP each step is
+one ``TcpTransport.swap``) and copies the result back. Blocking and
+``allreduce_async`` calls alike. Ordering, failure handling and the stall inspector are the
 communicator's own (``_run_turn``, ``run_guarded``). Binding touches the
 communicator's scratch and caches, so it happens in the first call's turn,
 like everything else that does; until then, and for good if the schedule
