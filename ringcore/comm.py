@@ -364,15 +364,11 @@ class Communicator:
         making them than moving its bytes); they are dropped whenever a pool
         grows, so no view keeps an outgrown pool alive.
         """
-        return {Buf.USER: buffer.array, **self.scratch_views(schedule, buffer.count, wire_dtype)}
-
-    def scratch_views(self, schedule: Schedule, count: int, wire_dtype: np.dtype) -> dict[Buf, np.ndarray]:
-        """The scratch buffers of :meth:`scratch_arrays`, without USER."""
-        key = (schedule.scratch, count, wire_dtype)
+        key = (schedule.scratch, buffer.count, wire_dtype)
         views = self._views.get(key)
         if views is None:
-            views = self._views[key] = self._make_views(schedule.scratch, count, wire_dtype)
-        return views
+            views = self._views[key] = self._make_views(schedule.scratch, buffer.count, wire_dtype)
+        return {Buf.USER: buffer.array, **views}
 
     def _make_views(self, bufs: tuple[Buf, ...], count: int, wire_dtype: np.dtype) -> dict[Buf, np.ndarray]:
         nbytes = count * wire_dtype.itemsize

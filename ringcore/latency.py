@@ -27,7 +27,9 @@ What qualifies: a CPU buffer of at most ``RINGCORE_SMALL_BYTES`` on a world
 of more than one rank, no timeline (which wants per-collective events), and a
 schedule that runs in lockstep without touching the caller's buffer. The
 caller's array is written only after every step succeeded, so a failure
-leaves it untouched.
+leaves it untouched. Each layout has scratch of its own, so the bytes a
+transport's latency path may spill into a receive view before it recognises
+an ABORT only ever land there.
 
 Barriers. ``barrier()`` is the other call a training loop makes all the time
 (and every benchmark iteration makes before its timed call, where its exit
@@ -115,7 +117,9 @@ class SmallAllreduce:
         schedule = collectives.allreduce_schedule(
             comm, count, itemsize, reducer.wire_dtype == self.dtype.storage
         )
-        views = comm.scratch_views(schedule, count, reducer.wire_dtype)
+        # Scratch of its own (at most 2 x RINGCORE_SMALL_BYTES): views into the communicator's
+        # pools would keep an outgrown pool alive for as long as the layout is remembered.
+        views = {buf: np.empty(count, reducer.wire_dtype) for buf in (*schedule.scratch, Buf.WORK)}
         compiled = lockstep.compile_steps(schedule, comm.transport)
         result = schedule.result
         if (
@@ -184,8 +188,9 @@ def plan_barrier(comm: Communicator) -> collectives.Plan:
         return collectives.plan_barrier()
 
     def run(comm: Communicator, seq: int) -> None:
-        if comm.bound_barrier is None:  # bound in the turn, like everything touching comm state
-            comm.bound_barrier = BoundBarrier(comm)
-        comm.bound_barrier.run(seq)
+        barrier = comm.bound_barrier
+        if barrier is None:  # bound in the turn, like everything touching comm state
+            barrier = comm.bound_barrier = BoundBarrier(comm)
+        barrier.run(seq)
 
     return collectives.Plan("barrier", run)

@@ -155,7 +155,12 @@ def run_bound(
     timeout: float,
     interrupt: Callable[[], str | None] | None = None,
 ) -> None:
-    """Run bound ``steps`` in order (see the module docstring); on failure, cancel and re-raise."""
+    """Run bound ``steps`` in order (see the module docstring); on failure, cancel and re-raise.
+
+    Every receive must land in scratch memory (the transport's ``swap`` and
+    ``exchange`` may spill an ABORT's first bytes into it); :func:`fits`
+    already keeps the caller's buffer out of lockstep receives.
+    """
     try:
         transport.expect(seq_bits >> 32, signature)
         swap = getattr(transport, "swap", None)  # a transport's latency path (TCP's)

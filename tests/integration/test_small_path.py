@@ -240,3 +240,27 @@ def test_bound_and_general_barriers_agree_and_hold() -> None:
             and "the collective" in report["error"]
             and "rank 1 passed barrier" in report["error"]
         )
+
+
+def outgrown_pool(comm: Any) -> dict[str, Any]:
+    """A bound layout must not keep the communicator's outgrown scratch pools alive."""
+    import gc
+    import weakref
+
+    comm.reduce_scatter(np.ones((comm.size, 50_000), np.float32))  # scratch pools of ~200 KB
+    pools = [weakref.ref(pool) for pool in comm._scratch.values()]
+    x = np.ones(1000, np.float32)
+    for _ in range(3):
+        comm.allreduce(x)  # bound now
+    comm.reduce_scatter(np.ones((comm.size, 500_000), np.float32))  # the pools grow
+    gc.collect()
+    return {"pools": len(pools), "alive": sum(ref() is not None for ref in pools), "bound": _bound(comm)}
+
+
+@pytest.mark.timeout(60)
+def test_bound_layouts_do_not_pin_outgrown_scratch() -> None:
+    with Cluster(2) as cluster:
+        reports = cluster.results(outgrown_pool)
+    for report in reports:
+        assert report["pools"] > 0 and report["bound"] == 1, report
+        assert report["alive"] == 0, report
