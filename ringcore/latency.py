@@ -95,18 +95,8 @@ class SmallAllreduce:
         reducer.convert(array, self.work)
 
     def _steps(self, seq: int) -> None:
-        comm = self.comm
-        assert comm.transport is not None and self.steps is not None
-        lockstep.run_bound(
-            comm.transport,
-            self.steps,
-            self.early,
-            self.reducer,
-            (wire.tag_seq(seq, 0) & 0xFFFFFFFF) << 32,
-            self.signature,
-            comm.settings.timeout,
-            comm.stall.interruption if comm.stall is not None else None,
-        )
+        assert self.steps is not None
+        run_steps(self.comm, self.steps, self.early, self.reducer, seq, self.signature)
 
     def _bind(self) -> bool:
         """Bind the schedule to scratch (in the turn); False, for good, when it does not qualify."""
@@ -165,21 +155,32 @@ class BoundBarrier:
         self.signature = Descriptor("barrier", 0, "uint8", ()).signature()
 
     def run(self, seq: int) -> None:
-        comm = self.comm
-        assert comm.transport is not None
-        comm.run_guarded(
+        self.comm.run_guarded(
             Descriptor("barrier", seq, "uint8", ()),
-            lambda: lockstep.run_bound(
-                comm.transport,  # type: ignore[arg-type]
-                self.steps,
-                self.early,
-                self.reducer,
-                (wire.tag_seq(seq, 0) & 0xFFFFFFFF) << 32,
-                self.signature,
-                comm.settings.timeout,
-                comm.stall.interruption if comm.stall is not None else None,
-            ),
+            lambda: run_steps(self.comm, self.steps, self.early, self.reducer, seq, self.signature),
         )
+
+
+def run_steps(
+    comm: Communicator,
+    steps: tuple[lockstep.Bound, ...],
+    early: tuple[int, ...],
+    reducer: Any,
+    seq: int,
+    signature: int,
+) -> None:
+    """Run bound steps as schedule 0 of collective ``seq``, with the communicator's timeout and stall check."""
+    assert comm.transport is not None
+    lockstep.run_bound(
+        comm.transport,
+        steps,
+        early,
+        reducer,
+        (wire.tag_seq(seq, 0) & 0xFFFFFFFF) << 32,
+        signature,
+        comm.settings.timeout,
+        comm.stall.interruption if comm.stall is not None else None,
+    )
 
 
 def plan_barrier(comm: Communicator) -> collectives.Plan:
