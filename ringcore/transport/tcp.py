@@ -148,23 +148,36 @@ class _Conn:
         request, signature = self.recvs[0]
         moved = False
         while self.header_got < wire.HEADER_BYTES:
-            try:
-                got = self.sock.recvmsg_into(
-                    [memoryview(self.header)[self.header_got :], request.view[self.payload_got :]]
-                )[0]
-            except (BlockingIOError, InterruptedError):
+            got = self.read_frame(request.view, self.header_got + self.payload_got, request.tag, signature)
+            if got is None:
                 return moved
-            except OSError as err:
-                raise self.fail(f"broke the connection ({err.strerror})") from None
-            if got == 0:
-                raise self.fail("closed the connection")
             moved = True
-            header = min(got, wire.HEADER_BYTES - self.header_got)
-            self.header_got += header
-            self.payload_got += got - header
-            if self.header_got == wire.HEADER_BYTES:
-                self._check_header(request.tag, request.nbytes, signature, request.view[: self.payload_got])
+            self.header_got = min(got, wire.HEADER_BYTES)
+            self.payload_got = got - self.header_got
         return self.pump_recv() or moved
+
+    def read_frame(self, view: memoryview, got: int, tag: int, signature: int) -> int | None:
+        """One ``recvmsg_into`` of a frame of which ``got`` bytes are in (header, then ``view``).
+
+        Returns the new count, or None when nothing was there. The header is
+        checked the moment it completes (see ``pull_scratch`` on spilled bytes).
+        """
+        parts = (
+            [memoryview(self.header)[got:], view]
+            if got < wire.HEADER_BYTES
+            else [view[got - wire.HEADER_BYTES :]]
+        )
+        try:
+            moved = self.sock.recvmsg_into(parts)[0]
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as err:
+            raise self.fail(f"broke the connection ({err.strerror})") from None
+        if moved == 0:
+            raise self.fail("closed the connection")
+        if got < wire.HEADER_BYTES <= got + moved:
+            self._check_header(tag, view.nbytes, signature, view[: got + moved - wire.HEADER_BYTES])
+        return got + moved
 
     def _read(self, view: memoryview) -> int | None:
         try:
@@ -360,34 +373,24 @@ class TcpTransport:
         if recv_conn is None:
             return sent, None
         view = recv[2]  # type: ignore[index]
-        head, sock, total = memoryview(recv_conn.header), recv_conn.sock, wire.HEADER_BYTES + view.nbytes
-        got, deadline = 0, 0.0
+        got, total, deadline = 0, wire.HEADER_BYTES + view.nbytes, 0.0
         while got < total:
-            try:
-                moved = sock.recvmsg_into(
-                    [head[got:], view] if got < wire.HEADER_BYTES else [view[got - wire.HEADER_BYTES :]]
-                )[0]
-            except (BlockingIOError, InterruptedError):
-                if sent is not None and send_conn.pump_send() and sent.done:  # type: ignore[union-attr]
-                    sent = None
-                now = time.perf_counter()
-                if not deadline:
-                    deadline = now + self.spin
-                elif now > deadline:  # hand over to progress: as if posted with irecv and half read
-                    received = Request(recv[0], recv_conn.channel, tag, view)  # type: ignore[index]
-                    recv_conn.header_got = min(got, wire.HEADER_BYTES)
-                    recv_conn.payload_got = got - recv_conn.header_got
-                    recv_conn.recvs.append((received, signature))
-                    return sent, received
-                os.sched_yield()
+            now_got = recv_conn.read_frame(view, got, tag, signature)
+            if now_got is not None:
+                got = now_got
                 continue
-            except OSError as err:
-                raise recv_conn.fail(f"broke the connection ({err.strerror})") from None
-            if moved == 0:
-                raise recv_conn.fail("closed the connection")
-            if got < wire.HEADER_BYTES <= got + moved:
-                recv_conn._check_header(tag, view.nbytes, signature, view[: got + moved - wire.HEADER_BYTES])
-            got += moved
+            if sent is not None and send_conn.pump_send() and sent.done:  # type: ignore[union-attr]
+                sent = None
+            now = time.perf_counter()
+            if not deadline:
+                deadline = now + self.spin
+            elif now > deadline:  # hand over to progress: as if posted with irecv and half read
+                received = Request(recv[0], recv_conn.channel, tag, view)  # type: ignore[index]
+                recv_conn.header_got = min(got, wire.HEADER_BYTES)
+                recv_conn.payload_got = got - recv_conn.header_got
+                recv_conn.recvs.append((received, signature))
+                return sent, received
+            os.sched_yield()
         recv_conn.early = False
         return sent, None
 
