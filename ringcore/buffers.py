@@ -135,10 +135,13 @@ def as_buffer(obj: Any, *, writable: bool, what: str = "buffer") -> Buffer:
 
 def checked_buffer(array: np.ndarray, dtype: DType) -> Buffer:
     """The :class:`Buffer` of a contiguous numpy ``array`` already found to hold ``dtype``."""
-    flat = array.reshape(-1)
-    if dtype.name == "bfloat16":
-        flat = flat.view(np.uint16)
-    return Buffer(flat, dtype, tuple(array.shape))
+    return Buffer(storage_view(array, dtype), dtype, tuple(array.shape))
+
+
+def storage_view(array: np.ndarray, dtype: DType) -> np.ndarray:
+    """A contiguous numpy ``array`` holding ``dtype`` as the flat view :attr:`Buffer.array` is."""
+    flat = array if array.ndim == 1 else array.reshape(-1)
+    return flat.view(np.uint16) if dtype.name == "bfloat16" else flat
 
 
 def _to_numpy(obj: Any, what: str) -> tuple[np.ndarray, str | None]:

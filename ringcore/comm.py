@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from ringcore.buffers import Buffer, DType, checked_buffer
 from ringcore.config import Settings
 from ringcore.descriptor import Descriptor, explain
 from ringcore.errors import CollectiveTimeout, CommunicatorClosed, MismatchError, PeerFailure, RingcoreError
-from ringcore.kernels.numpy_ops import Reducer
+from ringcore.kernels.numpy_ops import Reducer, quietly
 from ringcore.ops import Compression, ReduceOp
 from ringcore.stall import Progress, StallInspector
 from ringcore.store import StoreClient, StoreServer
@@ -163,6 +163,19 @@ class Communicator:
                 reduced (none with ``RINGCORE_ATOMIC=1``) and, above
                 ``RINGCORE_SLICE_BYTES``, which already hold the result.
         """
+        if type(buf) is np.ndarray:
+            try:
+                checked = self._checked.get((buf.dtype, buf.shape, buf.strides, op, compression))
+            except TypeError:  # an unhashable op or compression: the planner says what is wrong
+                checked = None
+            if (
+                checked is not None
+                and (small := checked[3]) is not None
+                and small.bound
+                and buf.flags.writeable
+            ):
+                self._call_bound("allreduce", name, small.run, buf)
+                return buf
         return self._call(self._allreduce_plan(buf, op, compression), name)
 
     def _allreduce_plan(self, buf: Any, op: Any, compression: Any) -> collectives.Plan:
@@ -226,7 +239,11 @@ class Communicator:
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
-        self._call(latency.plan_barrier(self))
+        bound = self.bound_barrier
+        if bound is not None:
+            self._call_bound("barrier", None, bound.run)
+        else:
+            self._call(latency.plan_barrier(self))
 
     def shutdown(self) -> None:
         """Finish queued async work, say goodbye to peers and close everything; idempotent."""
@@ -265,11 +282,11 @@ class Communicator:
 
     # ------------------------------------------------------------------ ordering
 
-    def _take_ticket(self, plan: collectives.Plan) -> tuple[int, int]:
+    def _take_ticket(self, kind: str) -> tuple[int, int]:
         with self._lock:
             if self._closed:
                 raise CommunicatorClosed(
-                    f"{plan.kind}: the communicator was shut down; call ringcore.init() again"
+                    f"{kind}: the communicator was shut down; call ringcore.init() again"
                 )
             ticket = self._next_ticket
             self._next_ticket += 1
@@ -278,12 +295,12 @@ class Communicator:
 
     def _call(self, plan: collectives.Plan, name: str | None = None) -> Any:
         plan.name = name
-        ticket, seq = self._take_ticket(plan)
+        ticket, seq = self._take_ticket(plan.kind)
         return self._run_turn(plan, ticket, seq)
 
     def _call_async(self, plan: collectives.Plan, name: str | None = None) -> Handle:
         plan.name = name
-        ticket, seq = self._take_ticket(plan)
+        ticket, seq = self._take_ticket(plan.kind)
         handle = Handle(f"{plan.kind} #{seq}")
         self._jobs.put((plan, ticket, seq, handle))
         if self._worker is None:
@@ -300,6 +317,38 @@ class Communicator:
                 handle._finish(error=err)
 
     def _run_turn(self, plan: collectives.Plan, ticket: int, seq: int) -> Any:
+        self._await_turn(ticket)
+        start = Timeline.now_us() if self.timeline is not None else 0.0
+        self.progress.enter(seq, plan.kind, plan.name)
+        try:
+            self._check_usable(plan.kind, seq)
+            return quietly(plan.run, self, seq)  # overflow, NaN, wrap-around: results, not warnings
+        finally:
+            self.progress.leave()
+            if self.timeline is not None:
+                args = {"seq": seq, "name": plan.name, "bytes": plan.nbytes, **plan.details}
+                self.timeline.complete(f"{plan.kind} #{seq}", "collective", start, Timeline.now_us(), args)
+            self._pass_turn()
+
+    def _call_bound(self, kind: str, name: str | None, run: Callable[..., None], *args: Any) -> None:
+        """Run ``run(*args, seq)`` (bound steps: :mod:`ringcore.latency`) as a blocking collective.
+
+        ``_call`` without a plan: the same ticket, turn, checks and progress
+        record as :meth:`_run_turn`, without what a small collective pays most
+        for per call (planning, a Buffer, the timeline, which bound collectives
+        never have).
+        """
+        ticket, seq = self._take_ticket(kind)
+        self._await_turn(ticket)
+        self.progress.enter(seq, kind, name)
+        try:
+            self._check_usable(kind, seq)
+            quietly(run, *args, seq)
+        finally:
+            self.progress.leave()
+            self._pass_turn()
+
+    def _await_turn(self, ticket: int) -> None:
         # Only the thread whose turn it is moves _turn on, so seeing it is ours needs no lock.
         if self._turn != ticket:
             with self._cond:
@@ -309,33 +358,26 @@ class Communicator:
                         self._cond.wait()
                     finally:
                         self._waiters -= 1
-        start = Timeline.now_us() if self.timeline is not None else 0.0
-        self.progress.enter(seq, plan.kind, plan.name)
-        try:
-            if self._broken is not None:
-                raise CommunicatorClosed(
-                    f"{plan.kind} #{seq}: the communicator is unusable after an earlier failure "
-                    f"({self._broken}); call ringcore.shutdown() and ringcore.init() again"
-                ) from self._broken
-            if self.stall is not None and (reason := self.stall.interruption()):
-                raise CollectiveTimeout(f"{plan.kind} #{seq}: {reason}")
-            with np.errstate(all="ignore"):  # overflow, NaN, wrap-around: results, not warnings
-                return plan.run(self, seq)
-        finally:
-            self.progress.leave()
-            if self.timeline is not None:
-                args = {"seq": seq, "name": plan.name, "bytes": plan.nbytes, **plan.details}
-                self.timeline.complete(f"{plan.kind} #{seq}", "collective", start, Timeline.now_us(), args)
-            with self._lock:
-                self._turn += 1
-                if self._waiters:  # notify_all is slow Python even with nobody waiting
-                    self._cond.notify_all()
+
+    def _check_usable(self, kind: str, seq: int) -> None:
+        if self._broken is not None:
+            raise CommunicatorClosed(
+                f"{kind} #{seq}: the communicator is unusable after an earlier failure "
+                f"({self._broken}); call ringcore.shutdown() and ringcore.init() again"
+            ) from self._broken
+        if self.stall is not None and (reason := self.stall.interruption()):
+            raise CollectiveTimeout(f"{kind} #{seq}: {reason}")
+
+    def _pass_turn(self) -> None:
+        with self._lock:
+            self._turn += 1
+            if self._waiters:  # notify_all is slow Python even with nobody waiting
+                self._cond.notify_all()
 
     def confirm_world(self) -> None:
         """A barrier outside the numbered collectives (#0): every rank is connected and alive."""
         if self.size > 1:
-            with np.errstate(all="ignore"):
-                collectives.plan_barrier().run(self, 0)
+            quietly(collectives.plan_barrier().run, self, 0)
 
     # ------------------------------------------------------------------ execution
 
@@ -423,23 +465,28 @@ class Communicator:
         self.run_guarded(desc, executor.run)
 
     def run_guarded(self, desc: Descriptor, run: Callable[[], None]) -> None:
-        """Call ``run`` (a schedule's execution); on failure, tell the peers, break the communicator, raise."""
+        """Call ``run`` (a schedule's execution); on failure, see :meth:`fail`."""
         try:
             run()
-        except (FrameMismatch, PeerAborted, PeerFailure, CollectiveTimeout, ProtocolError) as err:
+        except BaseException as err:
+            self.fail(desc, err)
+
+    def fail(self, desc: Descriptor, err: BaseException) -> NoReturn:
+        """``desc`` failed with ``err``: tell the peers, break the communicator, raise."""
+        if isinstance(err, (FrameMismatch, PeerAborted, PeerFailure, CollectiveTimeout, ProtocolError)):
             error = self._translate(desc, err)
             self._broken = error
             raise error from None
-        except BaseException as err:  # e.g. KeyboardInterrupt mid-collective: peers must not hang
-            self._abort(
-                {
-                    "kind": "peer_failure",
-                    "culprit": self.rank,
-                    "message": f"rank {self.rank} stopped {desc.title}: {type(err).__name__}",
-                }
-            )
-            self._broken = err
-            raise
+        # e.g. KeyboardInterrupt mid-collective: peers must not hang
+        self._abort(
+            {
+                "kind": "peer_failure",
+                "culprit": self.rank,
+                "message": f"rank {self.rank} stopped {desc.title}: {type(err).__name__}",
+            }
+        )
+        self._broken = err
+        raise err
 
     def _translate(self, desc: Descriptor, err: Exception) -> RingcoreError:
         """Turn a transport-level failure into the error every rank should raise."""

@@ -48,7 +48,7 @@ from ringcore import collectives
 from ringcore.algo import broadcast as chain
 from ringcore.algo import lockstep
 from ringcore.algo.steps import Buf
-from ringcore.buffers import DTYPES, Buffer
+from ringcore.buffers import DTYPES, Buffer, storage_view
 from ringcore.descriptor import Descriptor
 from ringcore.ops import Compression, ReduceOp
 from ringcore.transport import wire
@@ -74,6 +74,11 @@ class SmallAllreduce:
         self.reducer: Any = None
         self.work = np.empty(0)
 
+    @property
+    def bound(self) -> bool:
+        """Whether the steps are bound: calls can skip planning (``Communicator._call_bound``)."""
+        return self.steps is not None
+
     def plan(self, obj: Any, buffer: Buffer) -> collectives.Plan:
         """The plan of one call on ``buffer`` (``obj``'s, already validated), returning ``obj``."""
         if self.general:
@@ -83,20 +88,25 @@ class SmallAllreduce:
             if self.steps is None and not self._bind():
                 general = collectives.plan_checked_allreduce(obj, buffer, self.op, self.compression)
                 return general.run(comm, seq)
-            self._run(buffer.array, seq)
+            self._run_flat(buffer.array, seq)
             return obj
 
         return collectives.Plan("allreduce", run, nbytes=self.nbytes, details=self.details)
 
-    def _run(self, array: np.ndarray, seq: int) -> None:
+    def run(self, array: np.ndarray, seq: int) -> None:
+        """Reduce the caller's ``array`` (this layout's, writable) as collective ``seq``, in its turn."""
+        self._run_flat(storage_view(array, self.dtype), seq)
+
+    def _run_flat(self, array: np.ndarray, seq: int) -> None:
+        """``run`` on the flat storage view (``Buffer.array``); the caller's memory is written only on success."""
+        assert self.steps is not None
         comm, reducer = self.comm, self.reducer
         reducer.convert(self.work, array)
-        comm.run_guarded(Descriptor("allreduce", seq, *self.fields), lambda: self._steps(seq))
+        try:
+            run_steps(comm, self.steps, self.early, reducer, seq, self.signature)
+        except BaseException as err:
+            comm.fail(Descriptor("allreduce", seq, *self.fields), err)
         reducer.convert(array, self.work)
-
-    def _steps(self, seq: int) -> None:
-        assert self.steps is not None
-        run_steps(self.comm, self.steps, self.early, self.reducer, seq, self.signature)
 
     def _bind(self) -> bool:
         """Bind the schedule to scratch (in the turn); False, for good, when it does not qualify."""
@@ -155,10 +165,10 @@ class BoundBarrier:
         self.signature = Descriptor("barrier", 0, "uint8", ()).signature()
 
     def run(self, seq: int) -> None:
-        self.comm.run_guarded(
-            Descriptor("barrier", seq, "uint8", ()),
-            lambda: run_steps(self.comm, self.steps, self.early, self.reducer, seq, self.signature),
-        )
+        try:
+            run_steps(self.comm, self.steps, self.early, self.reducer, seq, self.signature)
+        except BaseException as err:
+            self.comm.fail(Descriptor("barrier", seq, "uint8", ()), err)
 
 
 def run_steps(

@@ -17,11 +17,14 @@ The hot path (same dtype everywhere, the common case) is one ufunc call with
 scratch array per :class:`Reducer`, never a fresh temporary per call.
 
 Overflow to inf, NaN inputs and integer wrap-around are results, not
-warnings: callers run these kernels under ``np.errstate(all="ignore")``
-(the communicator does, once per collective, not once per segment).
+warnings: callers run these kernels under :func:`quietly` (the communicator
+does, once per collective, not once per segment).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -38,6 +41,34 @@ UFUNCS = {
 }
 
 _BF16_ROUND = np.uint32(0x7FFF)
+
+T = TypeVar("T")
+
+try:  # numpy 2: the context variable np.errstate sets, with the "ignore everything" state made once
+    from numpy._core._ufunc_config import _extobj_contextvar, _make_extobj
+
+    _IGNORE_ALL: Any = _make_extobj(all="ignore")
+except ImportError:  # pragma: no cover - other numpy layouts get np.errstate itself
+    _extobj_contextvar = None
+
+
+def quietly(run: Callable[..., T], *args: Any) -> T:
+    """``run(*args)`` with numpy's floating-point errors ignored, as under ``np.errstate(all="ignore")``.
+
+    The same context variable, set without building an ``errstate`` (about 1.4
+    us, a tenth of a small allreduce's Python) and reset on the way out, so
+    the caller's own error state is back afterwards.
+    """
+    if _extobj_contextvar is None:
+        with np.errstate(all="ignore"):
+            return run(*args)
+    token = _extobj_contextvar.set(_IGNORE_ALL)
+    try:
+        return run(*args)
+    finally:
+        _extobj_contextvar.reset(token)
+
+
 _BF16_QUIET = np.uint16(0x0040)
 
 

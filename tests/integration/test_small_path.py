@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,13 @@ import ringcore
 from ringcore.latency import SmallAllreduce
 from tests import tasks
 from tests.cluster import Background, Cluster, RankError, qualified
+
+try:
+    import ml_dtypes
+
+    BFLOAT16: np.dtype | None = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # the bfloat16 layouts are then left out
+    BFLOAT16 = None
 
 CASES = [  # (dtype, op, compression)
     ("float32", "sum", None),
@@ -264,3 +272,61 @@ def test_bound_layouts_do_not_pin_outgrown_scratch() -> None:
     for report in reports:
         assert report["pools"] > 0 and report["bound"] == 1, report
         assert report["alive"] == 0, report
+
+
+def shaped_layouts(comm: Any) -> dict[str, Any]:
+    """N-d float32 and (with ml_dtypes) bfloat16 layouts, reduced until they run on bound steps."""
+    dtypes = ["float32"] + (["bfloat16"] if BFLOAT16 is not None else [])
+    out: dict[str, Any] = {"results": {}, "bound": 0}
+    for round_ in range(4):
+        for dtype in dtypes:
+            for shape in [(3, 5, 7), (105,)]:
+                x = _value(comm.rank, round_, 105, "float32").reshape(shape)
+                x = x.astype(BFLOAT16) if dtype == "bfloat16" else x
+                assert comm.allreduce(x) is x
+                out["results"].setdefault(f"{dtype}-{shape}", []).append(x.astype(np.float32))
+    out["bound"] = _bound(comm)
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_bound_layouts_of_any_shape_and_bfloat16_match_numpy() -> None:
+    size = 3
+    with Cluster(size) as cluster:
+        reports = cluster.results(shaped_layouts)
+    for round_ in range(4):
+        want = sum(_value(rank, round_, 105, "float32") for rank in range(size))  # exact in bfloat16 too
+        for rank, report in enumerate(reports):
+            for key, rounds in report["results"].items():
+                np.testing.assert_array_equal(rounds[round_].reshape(-1), want, err_msg=f"{key} rank {rank}")
+    for report in reports:
+        assert report["bound"] == 2 * (1 + (BFLOAT16 is not None))
+
+
+def overflow_under_raise(comm: Any) -> dict[str, Any]:
+    """float32 sums that overflow and NaNs, with the caller's numpy set to raise and warnings as errors."""
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        old = np.seterr(all="raise")
+        try:
+            for _ in range(3):  # the first call binds, the rest run on bound steps
+                x = np.full(16, np.finfo(np.float32).max, np.float32)
+                x[0] = np.nan
+                comm.allreduce(x)
+                results.append(x.copy())
+            after = np.geterr()
+        finally:
+            np.seterr(**old)
+    return {"results": results, "after": after, "bound": _bound(comm)}
+
+
+@pytest.mark.timeout(90)
+def test_overflow_and_nan_are_results_and_the_callers_error_state_is_kept() -> None:
+    with Cluster(3) as cluster:
+        reports = cluster.results(overflow_under_raise)
+    for report in reports:
+        assert report["bound"] == 1
+        assert report["after"] == {"divide": "raise", "over": "raise", "under": "raise", "invalid": "raise"}
+        for got in report["results"]:
+            assert np.isnan(got[0]) and np.isposinf(got[1:]).all(), got
