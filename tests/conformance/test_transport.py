@@ -558,6 +558,35 @@ def test_tcp_swap_refuses_a_mismatched_frame(tcp: Callable[..., list]) -> None:
     assert info.value.field == "tag" and info.value.peer == 1
 
 
+def test_tcp_a_receive_that_arrived_with_an_abort_completes_first(tcp: Callable[..., list]) -> None:
+    """Rank 0's frame from rank 1 and rank 2's ABORT (of the collective after) land while rank 0 sleeps.
+
+    The receive completes; the ABORT fails what rank 0 does next. (A rank
+    descheduled at the end of a collective used to fail it, though its data
+    had arrived, when the others had already moved on and disagreed.)
+    """
+    t = tcp(3, 1)
+    t[0].spin = 0
+    out = np.zeros(16, np.uint8)
+    received = t[0].irecv(1, 0, 1, SIG, view(out))
+    drive(t[1], [t[1].isend(0, 0, 1, SIG, view(np.full(16, 9, np.uint8)))])
+    t[2].abort({"kind": "mismatch", "rank": 2, "message": "collective #2: ranks disagree"})
+    time.sleep(0.2)  # both are in rank 0's socket buffers now
+    pump, calls = t[0]._pump, []
+
+    def asleep_at_first() -> bool:  # the first try found nothing: rank 0 then sleeps in poll
+        calls.append(1)
+        return pump() if len(calls) > 1 else False
+
+    t[0]._pump = asleep_at_first
+    drive(t[0], [received])
+    np.testing.assert_array_equal(out, 9)
+    t[0].irecv(1, 0, 2, SIG, view(np.zeros(16, np.uint8)))
+    with pytest.raises(PeerAborted) as info:
+        drive_for(t[0], DEADLINE)
+    assert info.value.peer == 2
+
+
 @pytest.mark.parametrize("kind", ["tcp", "rdma-fake"])
 def test_an_early_frame_of_the_next_collective_is_checked_when_it_starts(kind: str) -> None:
     """Rank 0 starts collective #6 while rank 1 is still in #5, and they disagree on #6.
