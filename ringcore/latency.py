@@ -18,10 +18,14 @@ caller's array into WORK, runs the bound steps with
 every other path, so ranks on different paths agree; over TCP each step is
 one ``TcpTransport.swap``) and copies the result back. Blocking and
 ``allreduce_async`` calls alike. Ordering, failure handling and the stall inspector are the
-communicator's own (``_run_turn``, ``run_guarded``). Binding touches the
+communicator's own (tickets and turns, ``Communicator.fail``). Binding touches the
 communicator's scratch and caches, so it happens in the first call's turn,
 like everything else that does; until then, and for good if the schedule
-turns out not to qualify, the general plan runs.
+turns out not to qualify, the general plan runs. Once bound, a blocking
+call skips planning altogether (``Communicator._call_bound``: no plan,
+Buffer or closure per call, numpy's error state set through its context
+variable, ``numpy_ops.quietly``); that took a 4 KiB call's own Python from
+12 to under 6 us.
 
 What qualifies: a CPU buffer of at most ``RINGCORE_SMALL_BYTES`` on a world
 of more than one rank, no timeline (which wants per-collective events), and a

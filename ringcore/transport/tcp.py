@@ -20,7 +20,17 @@ Latency path. A small collective run step by step
 ``exchange`` spins on just those two sockets and reads a frame's header and
 payload with one ``recvmsg_into`` (into scratch memory only: an unexpected
 frame is recognised after its first bytes landed). The queues stay the source
-of truth, so ``progress`` takes over wherever ``exchange`` stops.
+of truth, so ``progress`` takes over wherever ``exchange`` stops. ``swap``
+does the same for one step without posting anything. While they spin they
+ask ``poll`` whether the socket is readable before reading again: a read
+that finds nothing raises ``BlockingIOError``, which costs four times a
+``poll`` of one socket, CPU a spinning rank takes from the rank it waits for
+when they share a core.
+
+Idle connections. ``progress`` looks at connections with nothing posted
+(an ABORT, a peer that hung up, an early frame that shows a disagreement)
+only when posted work cannot move: a rank whose frame arrived together with
+an ABORT of the next collective finishes this one and fails the next.
 
 Yielding lets whatever shares the core run first: a peer rank when there are
 more ranks than cores (Open MPI's ``mpi_yield_when_idle``), and the kernel's
