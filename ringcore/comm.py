@@ -117,6 +117,7 @@ class Communicator:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)  # `with self._lock`: Condition's __enter__ is Python
         self._waiters = 0  # threads waiting in _run_turn for their ticket
+        self._abandoned: set[int] = set()  # tickets whose caller was interrupted before its turn
         self._next_ticket = self._turn = 0
         self._broken: BaseException | None = None
         self._closed = False
@@ -356,8 +357,29 @@ class Communicator:
                     self._waiters += 1
                     try:
                         self._cond.wait()
+                    except (
+                        BaseException
+                    ) as err:  # e.g. KeyboardInterrupt: later tickets must not wait for this one
+                        self._abandon(ticket, err)
+                        raise
                     finally:
                         self._waiters -= 1
+
+    def _abandon(self, ticket: int, err: BaseException) -> None:
+        """``ticket``'s caller gave up before its turn: skip it, and break the communicator.
+
+        This rank will never run that collective while its peers will, so the
+        ranks no longer agree on the order; later calls raise at once instead
+        of waiting forever for the turn to pass.
+        """
+        with self._lock:
+            self._abandoned.add(ticket)
+            if self._broken is None:
+                self._broken = CommunicatorClosed(
+                    f"collective #{ticket + 1} was interrupted ({type(err).__name__}) before its turn, "
+                    "so the ranks no longer agree on the order of collectives"
+                )
+            self._skip_abandoned()
 
     def _check_usable(self, kind: str, seq: int) -> None:
         if self._broken is not None:
@@ -371,8 +393,15 @@ class Communicator:
     def _pass_turn(self) -> None:
         with self._lock:
             self._turn += 1
-            if self._waiters:  # notify_all is slow Python even with nobody waiting
-                self._cond.notify_all()
+            self._skip_abandoned()
+
+    def _skip_abandoned(self) -> None:
+        """Move the turn past abandoned tickets and wake the waiters (with the lock held)."""
+        while self._turn in self._abandoned:
+            self._abandoned.discard(self._turn)
+            self._turn += 1
+        if self._waiters:  # notify_all is slow Python even with nobody waiting
+            self._cond.notify_all()
 
     def confirm_world(self) -> None:
         """A barrier outside the numbered collectives (#0): every rank is connected and alive."""

@@ -105,8 +105,8 @@ class SmallAllreduce:
         """``run`` on the flat storage view (``Buffer.array``); the caller's memory is written only on success."""
         assert self.steps is not None
         comm, reducer = self.comm, self.reducer
-        reducer.convert(self.work, array)
         try:
+            reducer.convert(self.work, array)
             run_steps(comm, self.steps, self.early, reducer, seq, self.signature)
         except BaseException as err:
             comm.fail(Descriptor("allreduce", seq, *self.fields), err)

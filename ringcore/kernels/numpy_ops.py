@@ -44,12 +44,30 @@ _BF16_ROUND = np.uint32(0x7FFF)
 
 T = TypeVar("T")
 
-try:  # numpy 2: the context variable np.errstate sets, with the "ignore everything" state made once
-    from numpy._core._ufunc_config import _extobj_contextvar, _make_extobj
 
-    _IGNORE_ALL: Any = _make_extobj(all="ignore")
-except ImportError:  # pragma: no cover - other numpy layouts get np.errstate itself
-    _extobj_contextvar = None
+def _errstate_variable() -> tuple[Any, Any]:
+    """numpy 2's context variable behind ``np.errstate`` and its "ignore everything" value.
+
+    Private to numpy, so used only after checking here that setting it does
+    what ``np.errstate(all="ignore")`` does; ``(None, None)`` otherwise.
+    """
+    try:
+        from numpy._core._ufunc_config import _extobj_contextvar, _make_extobj
+
+        ignore = _make_extobj(all="ignore")
+    except (ImportError, AttributeError, TypeError):  # another numpy layout
+        return None, None
+    with np.errstate(all="raise"):
+        token = _extobj_contextvar.set(ignore)
+        try:
+            works = set(np.geterr().values()) == {"ignore"}
+        finally:
+            _extobj_contextvar.reset(token)
+        works = works and set(np.geterr().values()) == {"raise"}
+    return (_extobj_contextvar, ignore) if works else (None, None)
+
+
+_extobj_contextvar, _IGNORE_ALL = _errstate_variable()
 
 
 def quietly(run: Callable[..., T], *args: Any) -> T:

@@ -274,10 +274,24 @@ def test_bound_layouts_do_not_pin_outgrown_scratch() -> None:
         assert report["alive"] == 0, report
 
 
+def count_bound_calls(comm: Any) -> list[str]:
+    """Record every call that takes the plan-free bound path (``Communicator._call_bound``)."""
+    calls: list[str] = []
+    real = comm._call_bound
+
+    def counted(kind: str, *args: Any) -> None:
+        calls.append(kind)
+        real(kind, *args)
+
+    comm._call_bound = counted
+    return calls
+
+
 def shaped_layouts(comm: Any) -> dict[str, Any]:
     """N-d float32 and (with ml_dtypes) bfloat16 layouts, reduced until they run on bound steps."""
     dtypes = ["float32"] + (["bfloat16"] if BFLOAT16 is not None else [])
     out: dict[str, Any] = {"results": {}, "bound": 0}
+    calls = count_bound_calls(comm)
     for round_ in range(4):
         for dtype in dtypes:
             for shape in [(3, 5, 7), (105,)]:
@@ -285,7 +299,7 @@ def shaped_layouts(comm: Any) -> dict[str, Any]:
                 x = x.astype(BFLOAT16) if dtype == "bfloat16" else x
                 assert comm.allreduce(x) is x
                 out["results"].setdefault(f"{dtype}-{shape}", []).append(x.astype(np.float32))
-    out["bound"] = _bound(comm)
+    out["bound"], out["bound calls"] = _bound(comm), calls.count("allreduce")
     return out
 
 
@@ -299,18 +313,21 @@ def test_bound_layouts_of_any_shape_and_bfloat16_match_numpy() -> None:
         for rank, report in enumerate(reports):
             for key, rounds in report["results"].items():
                 np.testing.assert_array_equal(rounds[round_].reshape(-1), want, err_msg=f"{key} rank {rank}")
+    layouts = 2 * (1 + (BFLOAT16 is not None))
     for report in reports:
-        assert report["bound"] == 2 * (1 + (BFLOAT16 is not None))
+        assert report["bound"] == layouts
+        # Round 1 validates, round 2 binds, rounds 3 and 4 skip planning.
+        assert report["bound calls"] == 2 * layouts, report["bound calls"]
 
 
 def overflow_under_raise(comm: Any) -> dict[str, Any]:
     """float32 sums that overflow and NaNs, with the caller's numpy set to raise and warnings as errors."""
-    results = []
+    results, calls = [], count_bound_calls(comm)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         old = np.seterr(all="raise")
         try:
-            for _ in range(3):  # the first call binds, the rest run on bound steps
+            for _ in range(5):  # the first call validates, the second binds, the rest skip planning
                 x = np.full(16, np.finfo(np.float32).max, np.float32)
                 x[0] = np.nan
                 comm.allreduce(x)
@@ -318,7 +335,7 @@ def overflow_under_raise(comm: Any) -> dict[str, Any]:
             after = np.geterr()
         finally:
             np.seterr(**old)
-    return {"results": results, "after": after, "bound": _bound(comm)}
+    return {"results": results, "after": after, "bound": _bound(comm), "bound calls": len(calls)}
 
 
 @pytest.mark.timeout(90)
@@ -326,7 +343,7 @@ def test_overflow_and_nan_are_results_and_the_callers_error_state_is_kept() -> N
     with Cluster(3) as cluster:
         reports = cluster.results(overflow_under_raise)
     for report in reports:
-        assert report["bound"] == 1
+        assert report["bound"] == 1 and report["bound calls"] == 3
         assert report["after"] == {"divide": "raise", "over": "raise", "under": "raise", "invalid": "raise"}
         for got in report["results"]:
             assert np.isnan(got[0]) and np.isposinf(got[1:]).all(), got

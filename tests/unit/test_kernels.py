@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringcore.buffers import DTYPES
+from ringcore.kernels import numpy_ops
 from ringcore.kernels.numpy_ops import Reducer, bf16_to_f32, f32_to_bf16
 from ringcore.ops import Compression, ReduceOp
 
@@ -241,3 +242,25 @@ def test_bf16_with_fp16_compression_unpacks(count: int) -> None:
     out = np.empty(count, np.uint16)
     reducer.convert(out, wire)
     np.testing.assert_array_equal(bf16_to_f32(out, np.empty(count, np.float32)), wire.astype(np.float32))
+
+
+@pytest.mark.parametrize("path", ["context variable", "np.errstate"])
+def test_quietly_ignores_float_errors_and_gives_the_callers_state_back(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if path == "np.errstate":  # what a numpy without the checked context variable gets
+        monkeypatch.setattr(numpy_ops, "_extobj_contextvar", None)
+    else:
+        assert numpy_ops._extobj_contextvar is not None, "numpy 2 should take the fast path"
+    big = np.full(4, np.finfo(np.float32).max, np.float32)
+
+    def overflow() -> dict[str, str]:
+        np.add(big, big, out=np.empty_like(big))
+        return np.geterr()
+
+    with np.errstate(all="raise"):
+        assert set(numpy_ops.quietly(overflow).values()) == {"ignore"}
+        assert set(np.geterr().values()) == {"raise"}
+        with pytest.raises(ZeroDivisionError):  # an exception inside still resets the state
+            numpy_ops.quietly(lambda: 1 / 0)
+        assert set(np.geterr().values()) == {"raise"}
