@@ -29,7 +29,16 @@ step rdma-jobs "${PYTEST[@]}" tests/rdma
 if [ "${RDMA_VM_QUICK:-0}" != 1 ]; then
     step property env RINGCORE_TRANSPORT=ibverbs RINGCORE_TEST_EXAMPLES=3 \
         "${PYTEST[@]}" tests/property -k "n2 or n4 or ring3"
-    step failures env RINGCORE_TRANSPORT=ibverbs "${PYTEST[@]}" tests/integration/test_failures.py
+    # The failure suite runs ~20x slower in the guest (6.5 min of a 30-min CI). Left out here:
+    # variants that differ from a kept one only in which descriptor field disagrees or in the
+    # world size; the host runs all of them over TCP.
+    FAILURES=tests/integration/test_failures.py
+    SKIP=()
+    for id in "test_mismatch_fails_every_rank_and_names_the_culprit["{count,dtype,op,compression,broadcast_root}"]" \
+        "test_sigkill_mid_allreduce_fails_every_survivor[3-1]" "test_rank_exiting_during_barrier_fails_the_others[4-0]"; do
+        SKIP+=(--deselect "$FAILURES::$id")
+    done
+    step failures env RINGCORE_TRANSPORT=ibverbs "${PYTEST[@]}" "$FAILURES" "${SKIP[@]}"
     for transport in ibverbs tcp; do
         step "bench-$transport" env RINGCORE_TRANSPORT="$transport" \
             ringcore-bench --np 2 -b 64K -e 4M -f 4 -n 5 -w 2 -c 1 --json "$OUT/bench-$transport-$SECONDS.json"
