@@ -357,9 +357,8 @@ class Communicator:
                     self._waiters += 1
                     try:
                         self._cond.wait()
-                    except (
-                        BaseException
-                    ) as err:  # e.g. KeyboardInterrupt: later tickets must not wait for this one
+                    except BaseException as err:
+                        # e.g. KeyboardInterrupt: later tickets must not wait for this one
                         self._abandon(ticket, err)
                         raise
                     finally:

@@ -41,6 +41,7 @@ UFUNCS = {
 }
 
 _BF16_ROUND = np.uint32(0x7FFF)
+_BF16_QUIET = np.uint16(0x0040)
 
 T = TypeVar("T")
 
@@ -85,9 +86,6 @@ def quietly(run: Callable[..., T], *args: Any) -> T:
         return run(*args)
     finally:
         _extobj_contextvar.reset(token)
-
-
-_BF16_QUIET = np.uint16(0x0040)
 
 
 def bf16_to_f32(src: np.ndarray, out: np.ndarray) -> np.ndarray:

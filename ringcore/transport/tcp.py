@@ -465,7 +465,7 @@ class TcpTransport:
                 elif now > deadline:
                     return False
                 os.sched_yield()
-            ready = recv_conn is None or ready or recv_conn.readable()
+            ready = recv_conn is not None and recv_conn.readable()
 
     def _pump(self) -> bool:
         moved = False
