@@ -165,10 +165,7 @@ class Communicator:
                 ``RINGCORE_SLICE_BYTES``, which already hold the result.
         """
         if type(buf) is np.ndarray:
-            try:
-                checked = self._checked.get((buf.dtype, buf.shape, buf.strides, op, compression))
-            except TypeError:  # an unhashable op or compression: the planner says what is wrong
-                checked = None
+            checked = self._checked_layout(buf, op, compression)[1]
             if (
                 checked is not None
                 and (small := checked[3]) is not None
@@ -193,10 +190,8 @@ class Communicator:
         """
         if type(buf) is not np.ndarray or buf.nbytes > self.settings.small_bytes:
             return collectives.plan_allreduce(buf, op, compression, self.size)
-        try:
-            key = (buf.dtype, buf.shape, buf.strides, op, compression)
-            checked = self._checked.get(key)
-        except TypeError:  # an unhashable op or compression: let the planner reject or accept it
+        key, checked = self._checked_layout(buf, op, compression)
+        if key is None:
             return collectives.plan_allreduce(buf, op, compression, self.size)
         if checked is not None and buf.flags.writeable:
             dtype, reduce_op, comp, small = checked
@@ -210,6 +205,21 @@ class Communicator:
         small = latency.small_allreduce(self, buffer, reduce_op, comp)
         self._checked[key] = (buffer.dtype, reduce_op, comp, small)
         return collectives.plan_checked_allreduce(buf, buffer, reduce_op, comp)
+
+    def _checked_layout(
+        self, buf: np.ndarray, op: Any, compression: Any
+    ) -> tuple[tuple | None, tuple | None]:
+        """``(key, validation)`` of ``buf``'s layout in the validation cache.
+
+        ``validation`` is None for a layout not validated yet; ``key`` is None
+        when ``op`` or ``compression`` is unhashable (the planner then says
+        whether it is wrong).
+        """
+        key = (buf.dtype, buf.shape, buf.strides, op, compression)
+        try:
+            return key, self._checked.get(key)
+        except TypeError:
+            return None, None
 
     def allreduce_async(
         self, buf: Any, op: Any = "sum", compression: Any = None, name: str | None = None
