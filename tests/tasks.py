@@ -163,6 +163,10 @@ def _bad_input_case(case: str) -> tuple[Any, Any]:
         return lambda c: c.allreduce(floats, op=3), floats
     if case == "unknown_compression":
         return lambda c: c.allreduce(floats, compression="int8"), floats
+    if case == "op_unhashable":  # the validation cache's key cannot hold it
+        return lambda c: c.allreduce(floats, op=["sum"]), floats
+    if case == "compression_unhashable":
+        return lambda c: c.allreduce(floats, compression=["fp16"]), floats
     if case == "avg_on_ints":
         return lambda c: c.allreduce(ints, op="avg"), ints
     if case == "fp16_on_ints":

@@ -36,6 +36,8 @@ CASES: dict[str, tuple[type[Exception], list[str]]] = {
     "unknown_op": (ValueError, ["median"]),
     "op_not_a_string": (ValueError, ["unknown reduce op", "3"]),
     "unknown_compression": (ValueError, ["int8"]),
+    "op_unhashable": (ValueError, ["unknown reduce op", "['sum']"]),
+    "compression_unhashable": (ValueError, ["unknown compression", "['fp16']"]),
     "avg_on_ints": (ValueError, ["allreduce", "avg", "int32"]),
     "fp16_on_ints": (ValueError, ["allreduce", "fp16", "int32"]),
     "async_avg_on_ints": (ValueError, ["allreduce", "avg", "int32"]),
