@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ringcore.algo import broadcast as chain
-from ringcore.algo import recursive_doubling, ring
+from ringcore.algo import halving_doubling, recursive_doubling, ring
 from ringcore.algo.steps import Buf, Schedule, chunk_bounds
 from ringcore.buffers import DTYPES, Buffer, as_buffer
 from ringcore.descriptor import Descriptor
@@ -103,10 +103,11 @@ def plan_checked_allreduce(obj: Any, buffer: Buffer, reduce_op: ReduceOp, comp: 
         elif comm.size > 1:
             reducer = comm.reducer(buffer.dtype, reduce_op, comp)
             in_place = reducer.wire_dtype == buffer.dtype.storage
-            for part, (start, piece) in enumerate(
-                _slices(buffer, comm.allreduce_slice_bytes, reducer.wire_dtype.itemsize)
-            ):
-                schedule = allreduce_schedule(comm, piece.count, reducer.wire_dtype.itemsize, in_place)
+            pieces = _slices(buffer, comm.allreduce_slice_bytes, reducer.wire_dtype.itemsize)
+            for part, (start, piece) in enumerate(pieces):
+                schedule = allreduce_schedule(
+                    comm, piece.count, reducer.wire_dtype.itemsize, in_place, sliced=len(pieces) > 1
+                )
                 arrays = comm.scratch_arrays(schedule, piece, reducer.wire_dtype)
                 if schedule.prefill_work:
                     reducer.convert(arrays[Buf.WORK], piece.array)
@@ -129,11 +130,25 @@ def plan_checked_allreduce(obj: Any, buffer: Buffer, reduce_op: ReduceOp, comp: 
     return Plan("allreduce", run, nbytes=buffer.nbytes, details=details)
 
 
-def allreduce_schedule(comm: Communicator, count: int, itemsize: int, in_place: bool) -> Schedule:
-    """Recursive doubling for small buffers (latency), the ring for the rest (bandwidth)."""
+def allreduce_schedule(
+    comm: Communicator, count: int, itemsize: int, in_place: bool, sliced: bool = False
+) -> Schedule:
+    """The allreduce algorithm for ``count`` elements (a slice of a larger buffer when ``sliced``).
+
+    As Gloo and NCCL do, by size: recursive doubling for small buffers
+    (latency); halving-doubling up to ``RINGCORE_HALVING_BYTES`` on a
+    power-of-two world of 4 or more (the ring's bytes in 2 log2(N) unpipelined
+    steps instead of 2(N-1): measured 1.2-4.6x faster from 128 KiB to 4 MiB
+    at N=4 and N=8 on 2 cores, slower from 8 MiB); the pipelined ring for the
+    rest, and for every slice of a sliced buffer. The choice depends only on
+    settings every rank shares and on the layout, never on the buffer's device.
+    """
     settings = comm.settings
-    if count * itemsize <= settings.small_bytes or count < comm.size:
+    nbytes = count * itemsize
+    if nbytes <= settings.small_bytes or count < comm.size:
         return recursive_doubling.allreduce(comm.rank, comm.size, count, itemsize, settings.segment_size())
+    if not sliced and nbytes <= settings.halving_bytes and halving_doubling.applies(comm.size, count):
+        return halving_doubling.allreduce(comm.rank, comm.size, count)
     # Compressed rings (not in place) convert every segment on its way out: small segments
     # overlap those casts with the wire (fp16 at 1 Gbit/s, 16M: 114 ms with 512 KiB, 123 with 2 MiB).
     segment_bytes = settings.segment_size(comm.wide_segments and in_place)

@@ -53,6 +53,7 @@ class Settings:
     channels: int = 1
     segment_bytes: int | None = None  # None: auto (see segment_size)
     small_bytes: int = 64 * KIB
+    halving_bytes: int = 4 * MIB  # halving-doubling up to this on 4, 8, 16... ranks; 0: never
     slice_bytes: int | None = None  # None: auto (see allreduce_slice_bytes)
     socket_buffer: int = 4 * MIB
     atomic: bool = False  # a failed in-place allreduce restores the caller's buffer (one extra copy)
@@ -91,6 +92,7 @@ class Settings:
             channels=reader.int("RINGCORE_CHANNELS", cls.channels, minimum=1, maximum=64),
             segment_bytes=reader.size_or_auto("RINGCORE_SEGMENT_BYTES", minimum=4 * KIB),
             small_bytes=reader.size("RINGCORE_SMALL_BYTES", cls.small_bytes, minimum=0),
+            halving_bytes=reader.size("RINGCORE_HALVING_BYTES", cls.halving_bytes, minimum=0),
             slice_bytes=reader.size_or_auto("RINGCORE_SLICE_BYTES", minimum=64 * KIB),
             socket_buffer=reader.size("RINGCORE_SOCKET_BUFFER", cls.socket_buffer, minimum=0),
             atomic=reader.flag("RINGCORE_ATOMIC", cls.atomic),

@@ -880,3 +880,15 @@ def sliced_allreduce_until_failure(comm: Any, count: int, max_rounds: int) -> di
         if not np.allclose(buf, want, rtol=1e-5, atol=1e-4):
             return {"error": "wrong result", "rounds": rounds}
     return {"error": "no error", "rounds": max_rounds}
+
+
+def allreduce_algorithm(comm: Any, count: int, itemsize: int, sliced: bool = False) -> str:
+    """Which allreduce schedule this communicator picks for ``count`` elements of ``itemsize`` bytes."""
+    from ringcore.collectives import allreduce_schedule
+
+    schedule = allreduce_schedule(comm, count, itemsize, in_place=True, sliced=sliced)
+    if schedule.prefill_work:
+        return "recursive-doubling"
+    if schedule.steps and all(step.whole for step in schedule.steps):
+        return "halving-doubling"
+    return "ring"

@@ -265,6 +265,14 @@ class Executor:
             return min(self.done_upto) >= s
         return self.done_upto[k] >= s
 
+    def _recv_ready(self, s: int) -> bool:
+        """A whole step posts its receive, like its send, only once every earlier step is done.
+
+        Its region may then overlap earlier steps' regions (halving-doubling's
+        nested halves) without data landing, or being combined, out of order.
+        """
+        return not self.steps[s].whole or min(self.done_upto) >= s
+
     def _post_sends(self) -> bool:
         posted = False
         for route, queue in self.send_queues.items():
@@ -289,6 +297,8 @@ class Executor:
         for route, queue in self.recv_queues.items():
             while queue:
                 s, k, key, bits = queue[0]
+                if not self._recv_ready(s):
+                    break
                 if key[1] < key[2] and (key in self.sending or key in self.receiving):
                     break  # an empty region conflicts with nothing
                 if key[0] == _USER and not self._save(key):

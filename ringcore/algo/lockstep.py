@@ -33,7 +33,7 @@ the wire dtype on the fly, and per-step timeline events.
 Deadlock. Waiting for the step's send before its receive completes is safe:
 ``progress`` moves every posted frame both ways, and in every schedule a
 step's send is matched by a receive its peer posts in the same step
-(ring, recursive doubling, dissemination barrier) or in a step that does not
+(ring, recursive doubling, halving-doubling, dissemination barrier) or in a step that does not
 wait on this rank (the chain broadcast's forward and acknowledgement).
 """
 

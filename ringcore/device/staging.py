@@ -224,6 +224,8 @@ class StagedExecutor(Executor):
             free = self.free[(route, "recv")]
             while queue and free:
                 s, k, key, bits = queue[0]
+                if not self._recv_ready(s):
+                    break
                 if key[1] < key[2] and (key in self.sending or key in self.receiving):
                     break  # an empty region conflicts with nothing
                 if key[0] == _USER and not self._save(key):

@@ -4,8 +4,8 @@ The fake device runs queued copies and kernels late and in a seeded random
 order (see :mod:`ringcore.device.fake`), so a send posted before its
 download finished, a slot reused too early, or a combine racing a copy gives
 wrong bytes. Results must equal the host executor's bit for bit, for the
-ring (several segments per chunk, 1-3 channels), recursive doubling and
-broadcast; staging memory must stay bounded by the staging size. The same
+ring (several segments per chunk, 1-3 channels), recursive doubling,
+halving-doubling and broadcast; staging memory must stay bounded by the staging size. The same
 tests run against the CuPy layer where a GPU is available.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ringcore.algo import broadcast as chain
-from ringcore.algo import recursive_doubling, ring
+from ringcore.algo import halving_doubling, recursive_doubling, ring
 from ringcore.algo.execute import Executor
 from ringcore.algo.steps import Buf
 from ringcore.buffers import DTYPES
@@ -74,6 +74,8 @@ def host_allreduce(
 def _schedule(algo: str, rank: int, size: int, count: int, itemsize: int, segment: int, in_place: bool):
     if algo == "ring":
         return ring.allreduce(rank, size, count, itemsize, segment, in_place)
+    if algo == "halving_doubling":
+        return halving_doubling.allreduce(rank, size, count)
     return recursive_doubling.allreduce(rank, size, count, itemsize, segment)
 
 
@@ -144,6 +146,21 @@ def test_recursive_doubling_staged_equals_host(
     values = inputs(size, 37, dtype, seed=size + 7)
     want = host_allreduce(values, dtype, op, comp, "recursive_doubling", 1 << 20, 1)
     got, _ = staged_allreduce(kind, values, dtype, op, comp, "recursive_doubling", 1 << 20, 1)
+    for rank in range(size):
+        np.testing.assert_array_equal(
+            got[rank].view(f"u{got[rank].itemsize}"), want[rank].view(f"u{want[rank].itemsize}")
+        )
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+@pytest.mark.parametrize(("dtype", "op", "comp"), CASES[:5])
+@pytest.mark.parametrize("size", [4, 8])
+def test_halving_doubling_staged_equals_host(
+    kind: str, dtype: str, op: ReduceOp, comp: Compression, size: int
+) -> None:
+    values = inputs(size, 1003, dtype, seed=size + 11)
+    want = host_allreduce(values, dtype, op, comp, "halving_doubling", 256, 1)
+    got, _ = staged_allreduce(kind, values, dtype, op, comp, "halving_doubling", 256, 1)
     for rank in range(size):
         np.testing.assert_array_equal(
             got[rank].view(f"u{got[rank].itemsize}"), want[rank].view(f"u{want[rank].itemsize}")

@@ -24,7 +24,13 @@ from tests.rdma_support import needs_rdma
 pytestmark = [pytest.mark.rdma, needs_rdma, pytest.mark.timeout(300)]
 
 IB = {"RINGCORE_TRANSPORT": "ibverbs", "RINGCORE_TIMEOUT": "60", "RINGCORE_INIT_TIMEOUT": "90"}
-RING = {**IB, "RINGCORE_SMALL_BYTES": "256", "RINGCORE_SEGMENT_BYTES": "4K", "RINGCORE_CHANNELS": "2"}
+RING = {
+    **IB,
+    "RINGCORE_SMALL_BYTES": "256",
+    "RINGCORE_HALVING_BYTES": "0",
+    "RINGCORE_SEGMENT_BYTES": "4K",
+    "RINGCORE_CHANNELS": "2",
+}
 
 
 def reference(inputs: list[np.ndarray], op: str) -> np.ndarray:

@@ -57,8 +57,14 @@ TIMEOUT = 2.0  # RINGCORE_TIMEOUT in every fault scenario
 INIT_TIMEOUT = 3.0  # RINGCORE_INIT_TIMEOUT in the rendezvous scenarios
 SLACK = 5.0  # detection must happen within the engine's timeout plus this
 COUNT = 1_000_000  # float32 elements: the ring path with many 64 KiB segments per step
-# One slice: each scenario strikes one ring at a chosen phase (slicing has its own tests).
-ENV = {"RINGCORE_TIMEOUT": str(TIMEOUT), "RINGCORE_SEGMENT_BYTES": "64K", "RINGCORE_SLICE_BYTES": "48M"}
+# One slice, and the ring at every N (not halving-doubling, whose whole steps have no 3rd
+# segment): each scenario strikes one ring at a chosen phase (slicing has its own tests).
+ENV = {
+    "RINGCORE_TIMEOUT": str(TIMEOUT),
+    "RINGCORE_SEGMENT_BYTES": "64K",
+    "RINGCORE_SLICE_BYTES": "48M",
+    "RINGCORE_HALVING_BYTES": "0",
+}
 
 DETECTION: dict[str, float] = {}  # scenario -> worst detection time over its survivors
 

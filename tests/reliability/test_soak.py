@@ -8,9 +8,10 @@ barrier, with random sizes (mostly 0-3000 elements, some fewer than the ranks,
 rank's input come from ``(seed, index, rank)``, so the test rebuilds them and
 computes the expected results with numpy. Results that every rank must hold
 identically (allreduce, broadcast, allgather) must also be bit-identical
-across ranks. The configurations push the same sizes through both allreduce
-algorithms (recursive doubling below ``RINGCORE_SMALL_BYTES``, the ring
-above) with many small segments and more than one channel.
+across ranks. The configurations push the same sizes through every allreduce
+algorithm (recursive doubling up to ``RINGCORE_SMALL_BYTES``, on 4 ranks
+halving-doubling up to ``RINGCORE_HALVING_BYTES``, the ring above) with many
+small segments and more than one channel.
 """
 
 from __future__ import annotations
@@ -28,7 +29,16 @@ CONFIGS = [
     # (size, collectives, environment)
     (2, 2000, {"RINGCORE_SEGMENT_BYTES": "4K"}),
     (3, 1500, {"RINGCORE_SMALL_BYTES": "1K", "RINGCORE_SEGMENT_BYTES": "4K"}),
-    (4, 1000, {"RINGCORE_SMALL_BYTES": "4K", "RINGCORE_SEGMENT_BYTES": "8K", "RINGCORE_CHANNELS": "2"}),
+    (
+        4,
+        1000,
+        {
+            "RINGCORE_SMALL_BYTES": "4K",
+            "RINGCORE_HALVING_BYTES": "64K",
+            "RINGCORE_SEGMENT_BYTES": "8K",
+            "RINGCORE_CHANNELS": "2",
+        },
+    ),
 ]
 SEED = 20240611
 TOTALS: dict[int, int] = {}

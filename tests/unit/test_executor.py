@@ -10,13 +10,14 @@ compared with numpy and committed the way ``ringcore.collectives`` does.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from ringcore.algo import broadcast as chain
-from ringcore.algo import recursive_doubling, ring
+from ringcore.algo import halving_doubling, recursive_doubling, ring
 from ringcore.algo.execute import Executor
 from ringcore.algo.steps import Buf, Schedule, chunk_bounds
 from ringcore.buffers import DTYPES, DType
@@ -29,6 +30,11 @@ pytestmark = pytest.mark.timeout(60)
 
 RUN_TIMEOUT = 10.0  # seconds without progress before an executor gives up
 ALLREDUCES = {"ring": ring.allreduce, "recursive_doubling": recursive_doubling.allreduce}
+HALVING = {
+    "halving_doubling": lambda rank, size, count, _itemsize, _segment: halving_doubling.allreduce(
+        rank, size, count
+    )
+}
 SIGNATURE = 0x5EED
 
 
@@ -85,14 +91,21 @@ def allreduce_all(
     segment_bytes: int,
     channels: int = 1,
     compression: Compression = Compression.NONE,
+    delays: list[float] | None = None,
 ) -> list[np.ndarray]:
-    """Allreduce ``inputs`` (one per rank) and commit into copies of them, as plan_allreduce does."""
+    """Allreduce ``inputs`` (one per rank) and commit into copies of them, as plan_allreduce does.
+
+    ``delays``: seconds each rank waits before it starts.
+    """
     size, count = len(inputs), inputs[0].size
+    make = {**ALLREDUCES, **HALVING}[algorithm]
 
     def body(rank: int, network: LoopbackNetwork) -> np.ndarray:
+        if delays:
+            time.sleep(delays[rank])
         user = inputs[rank].copy()
         reducer = Reducer(dtype, op, compression, size)
-        schedule = ALLREDUCES[algorithm](rank, size, count, reducer.wire_dtype.itemsize, segment_bytes)
+        schedule = make(rank, size, count, reducer.wire_dtype.itemsize, segment_bytes)
         arrays = scratch_arrays(schedule, user, reducer.wire_dtype, reducer)
         execute(network, rank, schedule, arrays, reducer)
         result = schedule.result
@@ -209,6 +222,44 @@ def test_fp16_compression_bitwise_identical_and_bounded(algorithm: str, size: in
         assert np.all(np.abs(got - exact) <= fp16_bound(inputs))
     for got in results[1:]:
         assert got.tobytes() == results[0].tobytes()
+
+
+@pytest.mark.parametrize("size", [4, 8])
+@pytest.mark.parametrize("channels", [1, 3])
+def test_halving_doubling_matches_numpy(size: int, channels: int) -> None:
+    for count in (size, size + 1, 64, 257):
+        for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.PROD):
+            inputs = int_inputs(size, count, seed=count * 17 + size)
+            results = allreduce_all(inputs, DTYPES["int32"], op, "halving_doubling", 64, channels)
+            for got in results:
+                np.testing.assert_array_equal(got, reference(inputs, op))
+
+
+@pytest.mark.parametrize("size", [4, 8])
+def test_halving_doubling_fp16_bitwise_identical_and_bounded(size: int) -> None:
+    rng = np.random.default_rng(size)
+    inputs = [rng.standard_normal(203).astype(np.float32) for _ in range(size)]
+    results = allreduce_all(
+        inputs, DTYPES["float32"], ReduceOp.SUM, "halving_doubling", 64, compression=Compression.FP16
+    )
+    exact = np.sum([x.astype(np.float64) for x in inputs], axis=0)
+    for got in results:
+        assert np.all(np.abs(got - exact) <= fp16_bound(inputs))
+        assert got.tobytes() == results[0].tobytes()
+
+
+def test_halving_doubling_combines_in_step_order_when_a_later_partner_is_early() -> None:
+    """Rank 0's first partner (rank 2) starts late, so its second partner's half arrives first.
+
+    That half lands inside the region the first step still has to combine: it
+    must wait until that step is done (whole steps post receives in order).
+    """
+    inputs = int_inputs(4, 1000, seed=3)
+    results = allreduce_all(
+        inputs, DTYPES["int32"], ReduceOp.SUM, "halving_doubling", 64, delays=[0.0, 0.0, 0.3, 0.0]
+    )
+    for got in results:
+        np.testing.assert_array_equal(got, reference(inputs, ReduceOp.SUM))
 
 
 def test_fp16_compression_ring_float64() -> None:

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringcore.algo import broadcast as chain
-from ringcore.algo import recursive_doubling, ring, simulate
+from ringcore.algo import halving_doubling, recursive_doubling, ring, simulate
 from ringcore.algo.simulate import ScheduleError
 from ringcore.algo.steps import Buf, Region, Schedule, Step, chunk_bounds, segment_count, split_bounds
 from ringcore.buffers import DTYPES
@@ -193,6 +193,44 @@ def test_ring_bitwise_identical_across_ranks(size: int) -> None:
     results = simulate.simulate(schedules, inputs, reducer("float32", ReduceOp.SUM, size))
     for got in results[1:]:
         assert got.tobytes() == results[0].tobytes()
+
+
+POWERS_OF_TWO = (4, 8, 16)
+
+
+@pytest.mark.parametrize("size", POWERS_OF_TWO)
+def test_halving_doubling_matches_numpy(size: int) -> None:
+    for count in sorted({size, size + 1, 2 * size - 1, 64, 1000, PRIME}):
+        for dtype, op in [("int32", ReduceOp.SUM), ("int64", ReduceOp.PROD), ("int16", ReduceOp.MIN)]:
+            inputs = make_inputs(size, count, dtype, op, seed=size * 31 + count)
+            schedules = [halving_doubling.allreduce(r, size, count) for r in range(size)]
+            for got in simulate.simulate(schedules, inputs, reducer(dtype, op, size)):
+                check(got, reference(inputs, op))
+        for op in FLOAT_OPS:
+            inputs = make_inputs(size, count, "float64", op, seed=count)
+            schedules = [halving_doubling.allreduce(r, size, count) for r in range(size)]
+            results = simulate.simulate(schedules, inputs, reducer("float64", op, size))
+            for got in results:
+                check(got, reference(inputs, op))
+                assert got.tobytes() == results[0].tobytes()  # every element reduced once, then copied
+
+
+@pytest.mark.parametrize("size", POWERS_OF_TWO)
+def test_halving_doubling_moves_the_rings_bytes_in_fewer_steps(size: int) -> None:
+    count = 4096
+    for rank in range(size):
+        steps = halving_doubling.allreduce(rank, size, count).steps
+        assert len(steps) == 2 * (size.bit_length() - 1)
+        assert all(step.whole and step.send_peer == step.recv_peer for step in steps)
+        sent = sum(step.send.count for step in steps if step.send is not None)
+        assert sent == 2 * count * (size - 1) // size
+
+
+def test_halving_doubling_applies_only_to_powers_of_two_from_4() -> None:
+    assert [n for n in range(1, 18) if halving_doubling.applies(n, 100)] == [4, 8, 16]
+    assert not halving_doubling.applies(8, 7)
+    with pytest.raises(ValueError, match="power-of-two"):
+        halving_doubling.allreduce(0, 6, 100)
 
 
 @pytest.mark.parametrize("size", SIZES)
