@@ -4,7 +4,8 @@ Sequence: rank 0 starts the store; every rank joins it through the HMAC
 handshake (a wrong ``RINGCORE_SECRET`` fails here, with a message that says
 so; a duplicate rank is an error), opens its data listener on the chosen
 interface, publishes ``host:port``, reads everyone else's, checks that all
-agree on the world size, then connects the mesh
+agree on the world size and on the settings that choose algorithms
+(``AGREED_SETTINGS``), then connects the mesh
 (``transport.mesh.connect_mesh``). The listener is closed once the mesh is
 up, so no data port stays open. A last barrier over the new mesh makes
 ``init()`` succeed on every rank or on none: a rank that died after its
@@ -42,7 +43,8 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
     """Rendezvous with the other ranks and connect to them.
 
     Raises:
-        ConfigError: ranks disagree on the world size, or two claim the same rank.
+        ConfigError: ranks disagree on the world size or on a setting of ``AGREED_SETTINGS``,
+            or two claim the same rank.
         CollectiveTimeout: a rank did not show up within ``RINGCORE_INIT_TIMEOUT``.
     """
     if world.size == 1:
@@ -63,7 +65,7 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
             device, records = _open_rdma(store, world, settings)
         host = listen_address(settings, world.addr, world.port)
         listener = make_listener(host, settings.socket_buffer, port_range=settings.port_range)
-        store.set(f"peer/{world.rank}", _me(host, listener, world))
+        store.set(f"peer/{world.rank}", _me(host, listener, world, settings))
         peers = _read_peers(store, world, settings.init_timeout)
         session = int(store.get("session", settings.init_timeout))
         addresses = [(p["host"], int(p["port"])) for p in peers]
@@ -185,12 +187,23 @@ def _start_server(world: WorldSpec, key: bytes, settings: Settings, tls: Any) ->
         ) from None
 
 
-def _me(host: str, listener: socket.socket, world: WorldSpec) -> dict[str, Any]:
+# Settings that choose a collective's algorithm or slices: ranks that differ on one would run
+# different schedules, whose frames need not clash, and wait for the timeout. Checked at init.
+AGREED_SETTINGS = {
+    "RINGCORE_SMALL_BYTES": "small_bytes",
+    "RINGCORE_HALVING_BYTES": "halving_bytes",
+    "RINGCORE_SLICE_BYTES": "slice_bytes",
+    "RINGCORE_GPU_STAGING_BYTES": "gpu_staging_bytes",
+}
+
+
+def _me(host: str, listener: socket.socket, world: WorldSpec, settings: Settings) -> dict[str, Any]:
     return {
         "host": host,
         "port": listener.getsockname()[1],
         "size": world.size,
         "pid": os.getpid(),
+        "settings": {name: getattr(settings, field) for name, field in AGREED_SETTINGS.items()},
         **describe_me(world.local_size),
     }
 
@@ -211,4 +224,17 @@ def _read_peers(store: StoreClient, world: WorldSpec, timeout: float) -> list[di
     if len(sizes) > 1:
         listed = ", ".join(f"{rank_list(ranks)} say {size}" for size, ranks in sizes.items())
         raise ConfigError(f"ranks disagree on the world size: {listed}")
+    for name in AGREED_SETTINGS:
+        values: dict[Any, list[int]] = {}
+        for rank, peer in enumerate(peers):
+            values.setdefault(peer["settings"][name], []).append(rank)
+        if len(values) > 1:
+            listed = ", ".join(
+                f"{rank_list(ranks)} {'say' if len(ranks) > 1 else 'says'} {'auto' if value is None else value}"
+                for value, ranks in values.items()
+            )
+            raise ConfigError(
+                f"ranks disagree on {name}: {listed}; it chooses how collectives run, "
+                "so set the same value on every rank (or leave it unset everywhere)"
+            )
     return peers

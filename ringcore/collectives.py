@@ -140,14 +140,24 @@ def allreduce_schedule(
     power-of-two world of 4 or more (the ring's bytes in 2 log2(N) unpipelined
     steps instead of 2(N-1): measured 1.2-4.6x faster from 128 KiB to 4 MiB
     at N=4 and N=8 on 2 cores, slower from 8 MiB); the pipelined ring for the
-    rest, and for every slice of a sliced buffer. The choice depends only on
-    settings every rank shares and on the layout, never on the buffer's device.
+    rest, and for every slice of a sliced buffer. Halving-doubling's frames are
+    half the buffer, so it is also kept to buffers whose half fits twice in
+    ``RINGCORE_GPU_STAGING_BYTES``: GPU ranks stage whole frames through
+    pinned slots, and pinned memory must stay at that size per connection.
+    The choice depends only on the layout and on settings every rank shares
+    (``bootstrap`` checks them at init), never on the buffer's device: host
+    and GPU ranks can share a collective.
     """
     settings = comm.settings
     nbytes = count * itemsize
     if nbytes <= settings.small_bytes or count < comm.size:
         return recursive_doubling.allreduce(comm.rank, comm.size, count, itemsize, settings.segment_size())
-    if not sliced and nbytes <= settings.halving_bytes and halving_doubling.applies(comm.size, count):
+    if (
+        not sliced
+        and nbytes <= settings.halving_bytes
+        and (count - count // 2) * itemsize * 2 <= settings.gpu_staging_bytes
+        and halving_doubling.applies(comm.size, count)
+    ):
         return halving_doubling.allreduce(comm.rank, comm.size, count)
     # Compressed rings (not in place) convert every segment on its way out: small segments
     # overlap those casts with the wire (fp16 at 1 Gbit/s, 16M: 114 ms with 512 KiB, 123 with 2 MiB).

@@ -886,9 +886,31 @@ def allreduce_algorithm(comm: Any, count: int, itemsize: int, sliced: bool = Fal
     """Which allreduce schedule this communicator picks for ``count`` elements of ``itemsize`` bytes."""
     from ringcore.collectives import allreduce_schedule
 
-    schedule = allreduce_schedule(comm, count, itemsize, in_place=True, sliced=sliced)
+    return _algorithm(allreduce_schedule(comm, count, itemsize, in_place=True, sliced=sliced))
+
+
+def _algorithm(schedule: Any) -> str:
     if schedule.prefill_work:
         return "recursive-doubling"
     if schedule.steps and all(step.whole for step in schedule.steps):
         return "halving-doubling"
     return "ring"
+
+
+def allreduce_recording_algorithms(comm: Any, inputs: list[np.ndarray]) -> tuple[np.ndarray, list[str]]:
+    """``allreduce`` (sum), and the algorithm of every schedule its plan picked (one per slice)."""
+    from ringcore import collectives
+
+    picked: list[str] = []
+    original = collectives.allreduce_schedule
+
+    def recording(comm_: Any, count: int, itemsize: int, in_place: bool, sliced: bool = False) -> Any:
+        schedule = original(comm_, count, itemsize, in_place, sliced)
+        picked.append(_algorithm(schedule))
+        return schedule
+
+    collectives.allreduce_schedule = recording  # type: ignore[assignment]
+    try:
+        return allreduce(comm, inputs, "sum"), picked
+    finally:
+        collectives.allreduce_schedule = original  # type: ignore[assignment]

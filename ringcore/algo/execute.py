@@ -13,7 +13,10 @@ run posts every send and receive as soon as it is allowed:
 * a receive waits until no pending send reads, and no pending receive or
   combine uses, the region it writes (a region sent at step s and received
   into at step s+N is safe);
-* a combine waits until no pending send still reads the region it writes.
+* a combine waits until no pending send still reads the region it writes;
+* a ``whole`` step (one frame, not pipelined) sends, and receives into a
+  non-empty region, only once every earlier step is done, so regions that
+  nest from step to step (halving-doubling) are written in step order.
 
 Receives are posted ahead, so the kernel can land segment k+1 while this
 thread combines segment k and sends it on. All waiting happens in
@@ -266,10 +269,12 @@ class Executor:
         return self.done_upto[k] >= s
 
     def _recv_ready(self, s: int) -> bool:
-        """A whole step posts its receive, like its send, only once every earlier step is done.
+        """A whole step posts a non-empty receive, like its send, once every earlier step is done.
 
         Its region may then overlap earlier steps' regions (halving-doubling's
         nested halves) without data landing, or being combined, out of order.
+        Empty receives (acknowledgements, barrier rounds) have nothing to
+        order and are posted at once, so RDMA announces them early.
         """
         return not self.steps[s].whole or min(self.done_upto) >= s
 
@@ -297,7 +302,7 @@ class Executor:
         for route, queue in self.recv_queues.items():
             while queue:
                 s, k, key, bits = queue[0]
-                if not self._recv_ready(s):
+                if key[1] < key[2] and not self._recv_ready(s):
                     break
                 if key[1] < key[2] and (key in self.sending or key in self.receiving):
                     break  # an empty region conflicts with nothing

@@ -21,7 +21,8 @@ the previous step's: every step is ``whole``, one frame sent and received
 only once the steps before it are done (:mod:`ringcore.algo.execute`). With
 no pipelining to hide a step's combine behind the next transfer, and frames
 of half the buffer (GPU buffers stage whole frames through pinned slots),
-the communicator uses it only up to ``RINGCORE_HALVING_BYTES``.
+the communicator uses it only up to ``RINGCORE_HALVING_BYTES``. Its steps are
+labelled ``halving`` and ``doubling`` in the timeline.
 
 Cost per rank: 2 log2(N) steps; 2(N-1)/N of the buffer sent and received
 (as the ring); (N-1)/N of it combined. Where it wins: with fewer steps, a
@@ -72,7 +73,7 @@ def allreduce(rank: int, size: int, count: int) -> Schedule:
                 final=i == rounds - 1,
                 whole=True,
                 phase=i,
-                label="scatter-reduce",
+                label="halving",
             )
         )
         pairs.append((partner, kept, given))
@@ -86,7 +87,7 @@ def allreduce(rank: int, size: int, count: int) -> Schedule:
                 Region(Buf.WORK, *given),
                 whole=True,
                 phase=rounds + j,
-                label="allgather",
+                label="doubling",
             )
         )
     return Schedule(tuple(steps), 1, Region(Buf.WORK, 0, count))

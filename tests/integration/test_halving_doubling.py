@@ -5,12 +5,18 @@ and up to ``RINGCORE_HALVING_BYTES`` (wire bytes) use halving-doubling; the
 schedule itself is checked against numpy in memory in
 ``tests/unit/test_schedules.py``. Here: the size boundaries, results against
 numpy and bit-identical across ranks (every op, integer and float dtypes, fp16
-compression) at N=4 and N=8, a dead peer in the middle of one, and sliced
-buffers, which keep the ring.
+compression) at N=4 and N=8, a dead peer in the middle of one, sliced
+buffers and frames too big for the GPU staging, which keep the ring, and ranks
+that disagree on the threshold, which fail at init.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
@@ -18,7 +24,7 @@ import pytest
 
 import ringcore
 from tests import tasks
-from tests.cluster import Background, Cluster, RankError, qualified
+from tests.cluster import Background, Cluster, RankError, free_port, qualified
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -49,14 +55,21 @@ def test_sizes_between_the_thresholds_take_halving_doubling_on_4_ranks() -> None
             count: cluster.results(tasks.allreduce_algorithm, count, 4)
             for count in (SMALL, SMALL + 1, HALVING, HALVING + 1)
         }
-        sliced = cluster.results(tasks.allreduce_algorithm, SMALL + 1, 4, True)
     assert picked == {
         SMALL: ["recursive-doubling"] * 4,
         SMALL + 1: ["halving-doubling"] * 4,
         HALVING: ["halving-doubling"] * 4,
         HALVING + 1: ["ring"] * 4,
     }
-    assert sliced == ["ring"] * 4  # each slice of a sliced buffer is a ring
+
+
+def test_frames_must_fit_the_gpu_staging_twice() -> None:
+    """Half the buffer is one frame; GPU ranks stage it, so it must fit twice in RINGCORE_GPU_STAGING_BYTES."""
+    with Cluster(4, env={"RINGCORE_GPU_STAGING_BYTES": "1M"}) as cluster:
+        fits = cluster.results(tasks.allreduce_algorithm, 262_144, 4)  # 1 MiB: 512 KiB frames
+        too_big = cluster.results(tasks.allreduce_algorithm, 262_146, 4)
+    assert fits == ["halving-doubling"] * 4
+    assert too_big == ["ring"] * 4
 
 
 def test_three_and_six_ranks_keep_the_ring() -> None:
@@ -89,12 +102,46 @@ def test_halving_doubling_matches_numpy(size: int) -> None:
             check_results(results, reference(inputs, op).astype(dtype), rtol)
 
 
-def test_sliced_buffer_on_4_ranks_matches_numpy() -> None:
+def test_sliced_buffer_on_4_ranks_runs_a_ring_per_slice() -> None:
     rng = np.random.default_rng(11)
     inputs = [rng.standard_normal(300_000).astype(np.float32) for _ in range(4)]
     with Cluster(4, env={"RINGCORE_SLICE_BYTES": "256K"}) as cluster:
-        results = cluster.results(tasks.allreduce, inputs, "sum", timeout=60)
-    check_results(results, reference(inputs, "sum").astype(np.float32), 1e-5)
+        reports = cluster.results(tasks.allreduce_recording_algorithms, inputs, timeout=60)
+        whole = cluster.results(tasks.allreduce_recording_algorithms, [x[:60_000] for x in inputs])
+    check_results([r for r, _ in reports], reference(inputs, "sum").astype(np.float32), 1e-5)
+    for _, picked in reports:
+        assert picked == ["ring"] * 5, picked  # 1.2 MB in slices of 256 KiB
+    assert [picked for _, picked in whole] == [["halving-doubling"]] * 4  # 240 KB: one slice
+
+
+def start_rank(rank: int, size: int, port: int, env: dict[str, str]) -> subprocess.Popen:
+    """A rank in a fresh interpreter that runs ``ringcore.init()`` and prints its error, if any."""
+    script = textwrap.dedent(
+        """
+        import json, ringcore
+        try:
+            ringcore.init()
+            print(json.dumps({"error": None}))
+        except Exception as err:
+            print(json.dumps({"error": type(err).__name__, "message": str(err)}))
+        """
+    )
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RINGCORE_")}
+    ids = {"RINGCORE_RANK": str(rank), "RINGCORE_SIZE": str(size), "RINGCORE_PORT": str(port)}
+    full = {**base, **ids, "RINGCORE_ADDR": "127.0.0.1", "RINGCORE_SECRET": "t", **env}
+    return subprocess.Popen([sys.executable, "-c", script], env=full, stdout=subprocess.PIPE, text=True)
+
+
+def test_ranks_that_disagree_on_the_threshold_fail_at_init_naming_them() -> None:
+    """Otherwise one rank would run halving-doubling, the rest the ring, and all would wait out the timeout."""
+    port = free_port()
+    ranks = [start_rank(r, 4, port, {"RINGCORE_HALVING_BYTES": "0"} if r == 3 else {}) for r in range(4)]
+    reports = [json.loads(proc.communicate(timeout=60)[0].strip().splitlines()[-1]) for proc in ranks]
+    for report in reports:
+        assert report["error"] == "ConfigError", report
+        message = report["message"]
+        assert "RINGCORE_HALVING_BYTES" in message and "ranks 0-2 say 4194304" in message, message
+        assert "rank 3 says 0" in message, message
 
 
 def test_dead_peer_mid_halving_doubling_fails_every_survivor_and_leaves_buffers_untouched() -> None:

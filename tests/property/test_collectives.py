@@ -11,7 +11,8 @@ example; a cluster on which a rank failed is restarted before the next example
 so that one failure does not cascade into the rest. The ``ring*``
 configurations shrink ``RINGCORE_SMALL_BYTES`` and ``RINGCORE_SEGMENT_BYTES``
 so that a few thousand elements already take the ring path in several
-segments over two channels; ``halving4`` sends them through halving-doubling.
+segments over two channels (``ring4`` with halving-doubling off);
+``halving4`` sends them through halving-doubling.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ CONFIGS: dict[str, tuple[int, dict[str, str]]] = {
     "ring2": (2, RING_ENV),
     "ring3": (3, RING_ENV),
     "ring5": (5, RING_ENV),
+    "ring4": (4, {**RING_ENV, "RINGCORE_HALVING_BYTES": "0"}),
     "halving4": (4, {"RINGCORE_SMALL_BYTES": "256", "RINGCORE_HALVING_BYTES": "1M"}),
 }
 

@@ -38,12 +38,15 @@ def reference(inputs: list[np.ndarray], op: str) -> np.ndarray:
     return ufunc.reduce(np.stack(inputs), axis=0)
 
 
-@pytest.mark.parametrize("size", [2, 3, 4])
-def test_collectives_match_numpy_over_rdma(size: int) -> None:
+@pytest.mark.parametrize(("size", "algorithm"), [(2, "ring"), (3, "ring"), (4, "halving-doubling")])
+def test_collectives_match_numpy_over_rdma(size: int, algorithm: str) -> None:
+    """Above 256 bytes: the ring (2 channels, 4 KiB segments) on 2 and 3 ranks, halving-doubling on 4."""
     rng = np.random.default_rng(size)
-    with Cluster(size, env=RING, timeout=120) as cluster:
+    env = RING if algorithm == "ring" else {**RING, "RINGCORE_HALVING_BYTES": "4M"}
+    with Cluster(size, env=env, timeout=120) as cluster:
         reports = cluster.results(tasks.transport_report)
         assert {r["transport"] for r in reports} == {"RdmaTransport"}, reports
+        assert cluster.results(tasks.allreduce_algorithm, 20_011, 4) == [algorithm] * size
         for dtype, op, count in [("float32", "sum", 20_011), ("int64", "max", 3), ("float64", "prod", 5000)]:
             inputs = [rng.integers(1, 4, count).astype(dtype) for _ in range(size)]
             for got in cluster.results(tasks.allreduce, inputs, op, timeout=120):

@@ -225,12 +225,12 @@ def test_fp16_compression_bitwise_identical_and_bounded(algorithm: str, size: in
 
 
 @pytest.mark.parametrize("size", [4, 8])
-@pytest.mark.parametrize("channels", [1, 3])
-def test_halving_doubling_matches_numpy(size: int, channels: int) -> None:
+def test_halving_doubling_matches_numpy(size: int) -> None:
+    """Whole steps: one frame per step on the first channel, whatever the segment size."""
     for count in (size, size + 1, 64, 257):
         for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.PROD):
             inputs = int_inputs(size, count, seed=count * 17 + size)
-            results = allreduce_all(inputs, DTYPES["int32"], op, "halving_doubling", 64, channels)
+            results = allreduce_all(inputs, DTYPES["int32"], op, "halving_doubling", 64)
             for got in results:
                 np.testing.assert_array_equal(got, reference(inputs, op))
 
