@@ -57,9 +57,9 @@ class Step:
         recv_peer / recv: a region to receive from a peer (always WORK or STAGE).
         reduce: ``(dst, a, b)``: after the receive, ``dst = op(a, b)``.
         final: the reduce yields final values (``avg`` divides by the world size).
-        whole: not pipelined: one frame for the whole step, sent and received
-            after every segment of the earlier steps is done (acknowledgements,
-            barriers, halving-doubling's nested halves).
+        whole: not pipelined: one frame for the whole step, sent (and received,
+            unless empty) after every segment of the earlier steps is done
+            (acknowledgements, barriers, halving-doubling's nested halves).
         phase: the step number written in frame tags; sender and receiver of a
             frame use the same phase even when their step lists differ.
         label: what the step is part of, for the timeline (``"scatter-reduce"``...).
