@@ -268,15 +268,16 @@ class Executor:
             return min(self.done_upto) >= s
         return self.done_upto[k] >= s
 
-    def _recv_ready(self, s: int) -> bool:
-        """A whole step posts a non-empty receive, like its send, once every earlier step is done.
+    def _recv_ready(self, s: int, key: Key) -> bool:
+        """Whether step ``s``'s receive into ``key`` may be posted now.
 
-        Its region may then overlap earlier steps' regions (halving-doubling's
+        A whole step posts a non-empty receive, like its send, once every
+        earlier step is done: its region may then overlap earlier steps' regions (halving-doubling's
         nested halves) without data landing, or being combined, out of order.
         Empty receives (acknowledgements, barrier rounds) have nothing to
         order and are posted at once, so RDMA announces them early.
         """
-        return not self.steps[s].whole or min(self.done_upto) >= s
+        return key[1] == key[2] or not self.steps[s].whole or min(self.done_upto) >= s
 
     def _post_sends(self) -> bool:
         posted = False
@@ -302,7 +303,7 @@ class Executor:
         for route, queue in self.recv_queues.items():
             while queue:
                 s, k, key, bits = queue[0]
-                if key[1] < key[2] and not self._recv_ready(s):
+                if not self._recv_ready(s, key):
                     break
                 if key[1] < key[2] and (key in self.sending or key in self.receiving):
                     break  # an empty region conflicts with nothing

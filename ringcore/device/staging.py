@@ -224,7 +224,7 @@ class StagedExecutor(Executor):
             free = self.free[(route, "recv")]
             while queue and free:
                 s, k, key, bits = queue[0]
-                if key[1] < key[2] and not self._recv_ready(s):
+                if not self._recv_ready(s, key):
                     break
                 if key[1] < key[2] and (key in self.sending or key in self.receiving):
                     break  # an empty region conflicts with nothing
