@@ -155,7 +155,7 @@ def allreduce_schedule(
     if (
         not sliced
         and nbytes <= settings.halving_bytes
-        and (count - count // 2) * itemsize * 2 <= settings.gpu_staging_bytes
+        and halving_doubling.largest_frame(comm.size, count) * itemsize * 2 <= settings.gpu_staging_bytes
         and halving_doubling.applies(comm.size, count)
     ):
         return halving_doubling.allreduce(comm.rank, comm.size, count)

@@ -53,7 +53,7 @@ class Settings:
     channels: int = 1
     segment_bytes: int | None = None  # None: auto (see segment_size)
     small_bytes: int = 64 * KIB
-    halving_bytes: int = 4 * MIB  # halving-doubling up to this on 4, 8, 16... ranks; 0: never
+    halving_bytes: int = 4 * MIB  # halving-doubling up to this on 4+ ranks; 0: never
     slice_bytes: int | None = None  # None: auto (see allreduce_slice_bytes)
     socket_buffer: int = 4 * MIB
     atomic: bool = False  # a failed in-place allreduce restores the caller's buffer (one extra copy)

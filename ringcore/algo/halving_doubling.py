@@ -10,6 +10,13 @@ reduced (the last combine is ``final``: avg divides there, once). Allgather
 by recursive doubling walks the same pairs backwards: each sends what it
 holds and receives the partner's part into WORK, doubling what it holds.
 
+Other world sizes, as MPICH does: with P the largest power of two <= N, the
+N - P ranks r >= P ("extras") first send their whole input to r - P, which
+combines it into WORK (``fold-in``; halving then starts from WORK), and get
+the whole result back at the end (``fold-out``). Two more steps and the
+whole buffer twice over one pair, which pays where steps cost more than
+bytes: at N=6, 6 steps against the ring's 10.
+
 Every element's final value is computed by one rank and copied to the others,
 so all ranks end bit-identical. The caller's buffer is written only after the
 last step (by the plan's copy out of WORK), so a failed run leaves it
@@ -20,12 +27,14 @@ up with the same segment of the next, and a step's STAGE range lies inside
 the previous step's: every step is ``whole``, one frame sent and received
 only once the steps before it are done (:mod:`ringcore.algo.execute`). With
 no pipelining to hide a step's combine behind the next transfer, and frames
-of half the buffer (GPU buffers stage whole frames through pinned slots),
+of half the buffer (all of it with extras; GPU buffers stage whole frames
+through pinned slots, see :func:`largest_frame`),
 the communicator uses it only up to ``RINGCORE_HALVING_BYTES``. Its steps are
 labelled ``halving`` and ``doubling`` in the timeline.
 
 Cost per rank: 2 log2(N) steps; 2(N-1)/N of the buffer sent and received
-(as the ring); (N-1)/N of it combined. Where it wins: with fewer steps, a
+(as the ring); (N-1)/N of it combined. With extras, 2 log2(P) + 2 steps, and
+a rank with an extra also receives, combines and sends the whole buffer. Where it wins: with fewer steps, a
 rank waits on its peers fewer times; on 2 cores with 4 or 8 ranks (every
 wait a context switch) 1.2-4.6x faster than the ring from 128 KiB to 4 MiB
 (``bench/RESULTS.md``).
@@ -39,8 +48,18 @@ from ringcore.algo.steps import Buf, Region, Schedule, Step
 
 
 def applies(size: int, count: int) -> bool:
-    """Whether the schedule exists: a power-of-two world of at least 4 and an element per rank."""
-    return size >= 4 and size & (size - 1) == 0 and count >= size
+    """Whether the schedule exists: a world of at least 4 and an element per core rank."""
+    return size >= 4 and count >= _core(size)
+
+
+def largest_frame(size: int, count: int) -> int:
+    """The most elements one frame carries: half the buffer, or all of it when extras fold in."""
+    return count if size != _core(size) else count - count // 2
+
+
+def _core(size: int) -> int:
+    """The largest power of two <= ``size``: the ranks that run halving-doubling proper."""
+    return 1 << (size.bit_length() - 1)
 
 
 @functools.lru_cache(maxsize=256)
@@ -48,31 +67,58 @@ def allreduce(rank: int, size: int, count: int) -> Schedule:
     """Halving-doubling allreduce of ``count`` elements; the result is all of WORK."""
     if not applies(size, count):
         raise ValueError(
-            f"halving-doubling needs a power-of-two world >= 4 and count >= size ({size}, {count})"
+            f"halving-doubling needs a world >= 4 and count >= its power-of-two core ({size}, {count})"
         )
-    rounds = size.bit_length() - 1
+    core = _core(size)
+    whole = Region(Buf.WORK, 0, count)
+    first = 1 if size > core else 0  # phase of the first halving step
+    last = first + 2 * (core.bit_length() - 1)  # phase of the fold-out
+    if rank >= core:  # an extra: hand the input over, get the result back
+        partner = rank - core
+        steps = (
+            Step(partner, Region(Buf.USER, 0, count), whole=True, phase=0, label="fold-in"),
+            Step(recv_peer=partner, recv=whole, whole=True, phase=last, label="fold-out"),
+        )
+        return Schedule(steps, 1, whole)
+    extra = rank + core if rank + core < size else None
+    steps: list[Step] = []
+    source = Buf.USER
+    if extra is not None:
+        stage = Region(Buf.STAGE, 0, count)
+        reduce = (whole, Region(Buf.USER, 0, count), stage)
+        steps.append(Step(recv_peer=extra, recv=stage, reduce=reduce, whole=True, phase=0, label="fold-in"))
+        source = Buf.WORK
+    steps.extend(_halving_doubling(rank, core, count, source, first))
+    if extra is not None:
+        steps.append(Step(extra, whole, whole=True, phase=last, label="fold-out"))
+    return Schedule(tuple(steps), 1, whole)
+
+
+def _halving_doubling(rank: int, core: int, count: int, source: Buf, first: int) -> list[Step]:
+    """The steps among the ``core`` ranks; step 0 sends from and combines with ``source``."""
+    rounds = core.bit_length() - 1
     held = (0, count)
     pairs: list[tuple[int, tuple[int, int], tuple[int, int]]] = []  # (partner, kept, given)
     steps: list[Step] = []
     for i in range(rounds):
-        mask = size >> (i + 1)
+        mask = core >> (i + 1)
         partner = rank ^ mask
         start, end = held
         middle = start + (end - start) // 2
         lower, upper = (start, middle - start), (middle, end - middle)
         kept, given = (lower, upper) if rank & mask == 0 else (upper, lower)
-        source = Buf.USER if i == 0 else Buf.WORK
+        step_source = source if i == 0 else Buf.WORK
         mine = Region(Buf.WORK, *kept)
         steps.append(
             Step(
                 partner,
-                Region(source, *given),
+                Region(step_source, *given),
                 partner,
                 Region(Buf.STAGE, *kept),
-                reduce=(mine, Region(source, *kept), Region(Buf.STAGE, *kept)),
+                reduce=(mine, Region(step_source, *kept), Region(Buf.STAGE, *kept)),
                 final=i == rounds - 1,
                 whole=True,
-                phase=i,
+                phase=first + i,
                 label="halving",
             )
         )
@@ -86,8 +132,8 @@ def allreduce(rank: int, size: int, count: int) -> Schedule:
                 partner,
                 Region(Buf.WORK, *given),
                 whole=True,
-                phase=rounds + j,
+                phase=first + rounds + j,
                 label="doubling",
             )
         )
-    return Schedule(tuple(steps), 1, Region(Buf.WORK, 0, count))
+    return steps

@@ -1,11 +1,12 @@
 """Halving-doubling allreduce over real processes and sockets: which sizes take it, and its results.
 
-On a power-of-two world of 4 or more, allreduces above ``RINGCORE_SMALL_BYTES``
+On a world of 4 or more, allreduces above ``RINGCORE_SMALL_BYTES``
 and up to ``RINGCORE_HALVING_BYTES`` (wire bytes) use halving-doubling; the
 schedule itself is checked against numpy in memory in
 ``tests/unit/test_schedules.py``. Here: the size boundaries, results against
 numpy and bit-identical across ranks (every op, integer and float dtypes, fp16
-compression) at N=4 and N=8, a dead peer in the middle of one, sliced
+compression) at N=4, 6 (two extra ranks fold in and out) and 8, a dead peer
+in the middle of one (an extra one too), sliced
 buffers and frames too big for the GPU staging, which keep the ring, and ranks
 that disagree on the threshold, which fail at init.
 """
@@ -72,13 +73,18 @@ def test_frames_must_fit_the_gpu_staging_twice() -> None:
     assert too_big == ["ring"] * 4
 
 
-def test_three_and_six_ranks_keep_the_ring() -> None:
-    for size in (3, 6):
-        with Cluster(size) as cluster:
-            assert cluster.results(tasks.allreduce_algorithm, 100_000, 4) == ["ring"] * size
+def test_three_ranks_keep_the_ring_six_fold_two_extras_in() -> None:
+    """At N=6 ranks 4 and 5 fold in and out: frames are the whole buffer, and must fit the staging twice."""
+    with Cluster(3) as cluster:
+        assert cluster.results(tasks.allreduce_algorithm, 100_000, 4) == ["ring"] * 3
+    with Cluster(6, env={"RINGCORE_GPU_STAGING_BYTES": "1M"}) as cluster:
+        fits = cluster.results(tasks.allreduce_algorithm, 131_072, 4)  # 512 KiB: whole frames fit twice
+        too_big = cluster.results(tasks.allreduce_algorithm, 131_073, 4)
+    assert fits == ["halving-doubling"] * 6
+    assert too_big == ["ring"] * 6
 
 
-@pytest.mark.parametrize("size", [4, 8])
+@pytest.mark.parametrize("size", [4, 6, 8])
 def test_halving_doubling_matches_numpy(size: int) -> None:
     rng = np.random.default_rng(size)
     count = 50_001  # 200 KB of float32: above the small path, odd so halves are uneven
@@ -144,8 +150,11 @@ def test_ranks_that_disagree_on_the_threshold_fail_at_init_naming_them() -> None
         assert "rank 3 says 0" in message, message
 
 
-def test_dead_peer_mid_halving_doubling_fails_every_survivor_and_leaves_buffers_untouched() -> None:
-    size, victim, count = 4, 2, 250_000  # 1 MB: halving-doubling, a few ms per allreduce
+@pytest.mark.parametrize(("size", "victim"), [(4, 2), (6, 4)])  # 4 of 6 is an extra: it folds into 0
+def test_dead_peer_mid_halving_doubling_fails_every_survivor_and_leaves_buffers_untouched(
+    size: int, victim: int
+) -> None:
+    count = 250_000  # 1 MB: halving-doubling, a few ms per allreduce
     survivors = [r for r in range(size) if r != victim]
     with Cluster(size, env={"RINGCORE_TIMEOUT": "20"}) as cluster:
         doomed = Background(
@@ -166,3 +175,17 @@ def test_dead_peer_mid_halving_doubling_fails_every_survivor_and_leaves_buffers_
         assert report["rounds"] > 0, (rank, report)
         # halving-doubling writes the caller's buffer only after its last step
         assert report["untouched"] and report["exposed"] in (None, (0, 0)), (rank, report)
+
+
+def test_an_extra_rank_that_mismatches_fails_every_rank_naming_it() -> None:
+    """At N=6 rank 5 folds into rank 1: only rank 1 hears from it, yet every rank must name it."""
+    good = ("allreduce", (np.ones(50_001, np.float32),), {})
+    calls = [good] * 5 + [("allreduce", (np.ones(50_001, np.float64),), {})]
+    with Cluster(6, env={"RINGCORE_TIMEOUT": "10"}) as cluster:
+        reports = cluster.run(tasks.mismatch_then_retry, calls, timeout=60)
+    assert not any(isinstance(report, RankError) for report in reports), reports
+    for rank, report in enumerate(reports):
+        assert report["error"] == qualified(ringcore.MismatchError), (rank, report)
+        for words in ("dtype", "ranks 0-4 passed float32", "rank 5 passed float64"):
+            assert words in report["message"], (rank, report["message"])
+        assert report["untouched"], rank

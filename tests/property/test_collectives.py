@@ -11,8 +11,9 @@ example; a cluster on which a rank failed is restarted before the next example
 so that one failure does not cascade into the rest. The ``ring*``
 configurations shrink ``RINGCORE_SMALL_BYTES`` and ``RINGCORE_SEGMENT_BYTES``
 so that a few thousand elements already take the ring path in several
-segments over two channels (``ring4`` with halving-doubling off);
-``halving4`` sends them through halving-doubling.
+segments over two channels (``ring4`` and ``ring5`` with halving-doubling
+off); ``halving4`` and ``halving5`` (whose rank 4 folds into rank 0) send
+them through halving-doubling.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ CONFIGS: dict[str, tuple[int, dict[str, str]]] = {
     "n5": (5, {}),
     "ring2": (2, RING_ENV),
     "ring3": (3, RING_ENV),
-    "ring5": (5, RING_ENV),
+    "ring5": (5, {**RING_ENV, "RINGCORE_HALVING_BYTES": "0"}),
     "ring4": (4, {**RING_ENV, "RINGCORE_HALVING_BYTES": "0"}),
     "halving4": (4, {"RINGCORE_SMALL_BYTES": "256", "RINGCORE_HALVING_BYTES": "1M"}),
+    "halving5": (5, {"RINGCORE_SMALL_BYTES": "256", "RINGCORE_HALVING_BYTES": "1M"}),  # rank 4 folds in
 }
 
 FLOATS = ["float16", "float32", "float64"] + (["bfloat16"] if BFLOAT16 is not None else [])

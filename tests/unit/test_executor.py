@@ -224,7 +224,7 @@ def test_fp16_compression_bitwise_identical_and_bounded(algorithm: str, size: in
         assert got.tobytes() == results[0].tobytes()
 
 
-@pytest.mark.parametrize("size", [4, 8])
+@pytest.mark.parametrize("size", [4, 6, 8])
 def test_halving_doubling_matches_numpy(size: int) -> None:
     """Whole steps: one frame per step on the first channel, whatever the segment size."""
     for count in (size, size + 1, 64, 257):
@@ -235,7 +235,7 @@ def test_halving_doubling_matches_numpy(size: int) -> None:
                 np.testing.assert_array_equal(got, reference(inputs, op))
 
 
-@pytest.mark.parametrize("size", [4, 8])
+@pytest.mark.parametrize("size", [4, 5, 8])
 def test_halving_doubling_fp16_bitwise_identical_and_bounded(size: int) -> None:
     rng = np.random.default_rng(size)
     inputs = [rng.standard_normal(203).astype(np.float32) for _ in range(size)]

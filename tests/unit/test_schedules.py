@@ -196,11 +196,13 @@ def test_ring_bitwise_identical_across_ranks(size: int) -> None:
 
 
 POWERS_OF_TWO = (4, 8, 16)
+WITH_EXTRAS = (5, 6, 7, 12)  # the ranks past the largest power of two fold in and out
 
 
-@pytest.mark.parametrize("size", POWERS_OF_TWO)
+@pytest.mark.parametrize("size", POWERS_OF_TWO + WITH_EXTRAS)
 def test_halving_doubling_matches_numpy(size: int) -> None:
-    for count in sorted({size, size + 1, 2 * size - 1, 64, 1000, PRIME}):
+    core = 1 << (size.bit_length() - 1)
+    for count in sorted({core, core + 1, 2 * core - 1, 64, 1000, PRIME}):
         for dtype, op in [("int32", ReduceOp.SUM), ("int64", ReduceOp.PROD), ("int16", ReduceOp.MIN)]:
             inputs = make_inputs(size, count, dtype, op, seed=size * 31 + count)
             schedules = [halving_doubling.allreduce(r, size, count) for r in range(size)]
@@ -226,11 +228,38 @@ def test_halving_doubling_moves_the_rings_bytes_in_fewer_steps(size: int) -> Non
         assert sent == 2 * count * (size - 1) // size
 
 
-def test_halving_doubling_applies_only_to_powers_of_two_from_4() -> None:
-    assert [n for n in range(1, 18) if halving_doubling.applies(n, 100)] == [4, 8, 16]
+@pytest.mark.parametrize("size", WITH_EXTRAS)
+def test_halving_doubling_folds_extras_in_and_out_whole(size: int) -> None:
+    """Ranks >= P hand over their input and get the result back: 2 steps; their partners 2 more."""
+    count, core = 4096, 1 << (size.bit_length() - 1)
+    rounds = core.bit_length() - 1
+    for rank in range(size):
+        steps = halving_doubling.allreduce(rank, size, count).steps
+        assert all(step.whole for step in steps)
+        if rank >= core:
+            assert [(s.send_peer, s.recv_peer, s.label) for s in steps] == [
+                (rank - core, None, "fold-in"),
+                (None, rank - core, "fold-out"),
+            ]
+            assert steps[0].send == Region(Buf.USER, 0, count)
+            assert steps[1].recv == Region(Buf.WORK, 0, count)
+        elif rank + core < size:
+            assert len(steps) == 2 * rounds + 2
+            assert (steps[0].recv_peer, steps[0].recv.count, steps[0].label) == (rank + core, count, "fold-in")
+            assert (steps[-1].send_peer, steps[-1].send.count, steps[-1].label) == (rank + core, count, "fold-out")
+            assert steps[1].send.buf == Buf.WORK  # halving starts from the folded vector
+        else:
+            assert len(steps) == 2 * rounds
+            assert steps[0].send.buf == Buf.USER
+
+
+def test_halving_doubling_applies_from_4_ranks_with_an_element_per_core_rank() -> None:
+    assert [n for n in range(1, 18) if halving_doubling.applies(n, 100)] == list(range(4, 18))
     assert not halving_doubling.applies(8, 7)
-    with pytest.raises(ValueError, match="power-of-two"):
-        halving_doubling.allreduce(0, 6, 100)
+    assert halving_doubling.applies(12, 8) and not halving_doubling.applies(12, 7)
+    assert (halving_doubling.largest_frame(8, 101), halving_doubling.largest_frame(6, 101)) == (51, 101)
+    with pytest.raises(ValueError, match="world >= 4"):
+        halving_doubling.allreduce(0, 3, 100)
 
 
 @pytest.mark.parametrize("size", SIZES)
