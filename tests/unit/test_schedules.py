@@ -245,8 +245,9 @@ def test_halving_doubling_folds_extras_in_and_out_whole(size: int) -> None:
             assert steps[1].recv == Region(Buf.WORK, 0, count)
         elif rank + core < size:
             assert len(steps) == 2 * rounds + 2
-            assert (steps[0].recv_peer, steps[0].recv.count, steps[0].label) == (rank + core, count, "fold-in")
-            assert (steps[-1].send_peer, steps[-1].send.count, steps[-1].label) == (rank + core, count, "fold-out")
+            fold_in, fold_out = steps[0], steps[-1]
+            assert (fold_in.recv_peer, fold_in.recv.count, fold_in.label) == (rank + core, count, "fold-in")
+            assert (fold_out.send_peer, fold_out.send.count, fold_out.label) == (rank + core, count, "fold-out")
             assert steps[1].send.buf == Buf.WORK  # halving starts from the folded vector
         else:
             assert len(steps) == 2 * rounds
