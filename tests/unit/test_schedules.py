@@ -247,7 +247,11 @@ def test_halving_doubling_folds_extras_in_and_out_whole(size: int) -> None:
             assert len(steps) == 2 * rounds + 2
             fold_in, fold_out = steps[0], steps[-1]
             assert (fold_in.recv_peer, fold_in.recv.count, fold_in.label) == (rank + core, count, "fold-in")
-            assert (fold_out.send_peer, fold_out.send.count, fold_out.label) == (rank + core, count, "fold-out")
+            assert (fold_out.send_peer, fold_out.send.count, fold_out.label) == (
+                rank + core,
+                count,
+                "fold-out",
+            )
             assert steps[1].send.buf == Buf.WORK  # halving starts from the folded vector
         else:
             assert len(steps) == 2 * rounds
