@@ -136,14 +136,16 @@ def allreduce_schedule(
     """The allreduce algorithm for ``count`` elements (a slice of a larger buffer when ``sliced``).
 
     As Gloo and NCCL do, by size: recursive doubling for small buffers
-    (latency); halving-doubling up to ``RINGCORE_HALVING_BYTES`` on a
-    power-of-two world of 4 or more (the ring's bytes in 2 log2(N) unpipelined
-    steps instead of 2(N-1): measured 1.2-4.6x faster from 128 KiB to 4 MiB
-    at N=4 and N=8 on 2 cores, slower from 8 MiB); the pipelined ring for the
-    rest, and for every slice of a sliced buffer. Halving-doubling's frames are
-    half the buffer, so it is also kept to buffers whose half fits twice in
-    ``RINGCORE_GPU_STAGING_BYTES``: GPU ranks stage whole frames through
-    pinned slots, and pinned memory must stay at that size per connection.
+    (latency); halving-doubling on a world of 4 or more up to
+    ``RINGCORE_HALVING_BYTES`` (a quarter of it when ranks past the largest
+    power of two fold in, see ``halving_doubling.byte_limit``): the ring's
+    bytes in 2 log2(N) unpipelined steps instead of 2(N-1), measured 1.2-4.6x
+    faster from 128 KiB to 4 MiB at N=4 and N=8 on 2 cores, slower from 8 MiB;
+    the pipelined ring for the rest, and for every slice of a sliced buffer.
+    Halving-doubling is also kept to buffers whose largest frame (half the
+    buffer, all of it with extras) fits twice in ``RINGCORE_GPU_STAGING_BYTES``:
+    GPU ranks stage whole frames through pinned slots, and pinned memory must
+    stay at that size per connection.
     The choice depends only on the layout and on settings every rank shares
     (``bootstrap`` checks them at init), never on the buffer's device: host
     and GPU ranks can share a collective.
@@ -154,7 +156,7 @@ def allreduce_schedule(
         return recursive_doubling.allreduce(comm.rank, comm.size, count, itemsize, settings.segment_size())
     if (
         not sliced
-        and nbytes <= settings.halving_bytes
+        and nbytes <= halving_doubling.byte_limit(comm.size, settings.halving_bytes)
         and halving_doubling.largest_frame(comm.size, count) * itemsize * 2 <= settings.gpu_staging_bytes
         and halving_doubling.applies(comm.size, count)
     ):

@@ -1,7 +1,8 @@
 """Halving-doubling allreduce over real processes and sockets: which sizes take it, and its results.
 
 On a world of 4 or more, allreduces above ``RINGCORE_SMALL_BYTES``
-and up to ``RINGCORE_HALVING_BYTES`` (wire bytes) use halving-doubling; the
+and up to ``RINGCORE_HALVING_BYTES`` (wire bytes; a quarter of it when ranks
+fold in) use halving-doubling; the
 schedule itself is checked against numpy in memory in
 ``tests/unit/test_schedules.py``. Here: the size boundaries, results against
 numpy and bit-identical across ranks (every op, integer and float dtypes, fp16
@@ -74,9 +75,12 @@ def test_frames_must_fit_the_gpu_staging_twice() -> None:
 
 
 def test_three_ranks_keep_the_ring_six_fold_two_extras_in() -> None:
-    """At N=6 ranks 4 and 5 fold in and out: frames are the whole buffer, and must fit the staging twice."""
+    """At N=6 ranks 4 and 5 fold in and out: up to a quarter of the threshold, frames fitting the staging twice."""
     with Cluster(3) as cluster:
         assert cluster.results(tasks.allreduce_algorithm, 100_000, 4) == ["ring"] * 3
+    with Cluster(6) as cluster:
+        assert cluster.results(tasks.allreduce_algorithm, HALVING // 4, 4) == ["halving-doubling"] * 6
+        assert cluster.results(tasks.allreduce_algorithm, HALVING // 4 + 1, 4) == ["ring"] * 6
     with Cluster(6, env={"RINGCORE_GPU_STAGING_BYTES": "1M"}) as cluster:
         fits = cluster.results(tasks.allreduce_algorithm, 131_072, 4)  # 512 KiB: whole frames fit twice
         too_big = cluster.results(tasks.allreduce_algorithm, 131_073, 4)

@@ -263,6 +263,7 @@ def test_halving_doubling_applies_from_4_ranks_with_an_element_per_core_rank() -
     assert not halving_doubling.applies(8, 7)
     assert halving_doubling.applies(12, 8) and not halving_doubling.applies(12, 7)
     assert (halving_doubling.largest_frame(8, 101), halving_doubling.largest_frame(6, 101)) == (51, 101)
+    assert [halving_doubling.byte_limit(n, 4096) for n in (4, 5, 8, 12)] == [4096, 1024, 4096, 1024]
     with pytest.raises(ValueError, match="world >= 4"):
         halving_doubling.allreduce(0, 3, 100)
 
