@@ -118,6 +118,23 @@ class _Conn:
     def fail(self, what: str) -> PeerFailure:
         return PeerFailure(f"rank {self.peer} ({self.name}) {what}", self.peer, self.name)
 
+    def send_failed(self, err: OSError) -> Exception:
+        """What a failed send means: the peer's ABORT if one waits to be read, else a PeerFailure.
+
+        A peer that failed (say, it saw a third rank die) sends ABORT naming the
+        culprit, and later closes its socket. Closing with our frames unread
+        resets the connection, so our next send can fail before we read that
+        ABORT, and we would blame the messenger. The reset does not drop what
+        already arrived, so a frame boundary on our side is checked first.
+        """
+        if self.header_got == 0 and not self.early:
+            with contextlib.suppress(OSError, wire.ProtocolError):
+                head = self.sock.recv(wire.HEADER_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                if len(head) == wire.HEADER_BYTES and (header := wire.unpack(head))[0] == wire.ABORT:
+                    self.sock.recv(wire.HEADER_BYTES)
+                    return PeerAborted(self.peer, wire.decode_abort(self._read_control(header[3])))
+        return self.fail(f"broke the connection while we were sending ({err.strerror})")
+
     def pump_send(self) -> bool:
         moved = False
         while self.sends:
@@ -127,7 +144,7 @@ class _Conn:
             except (BlockingIOError, InterruptedError):
                 return moved
             except OSError as err:
-                raise self.fail(f"broke the connection while we were sending ({err.strerror})") from None
+                raise self.send_failed(err) from None
             op.offset += sent
             moved = True
             if op.offset == wire.HEADER_BYTES + op.request.nbytes:
@@ -393,7 +410,7 @@ class TcpTransport:
             except (BlockingIOError, InterruptedError):
                 moved = 0
             except OSError as err:
-                raise send_conn.fail(f"broke the connection while we were sending ({err.strerror})") from None
+                raise send_conn.send_failed(err) from None
             if moved < wire.HEADER_BYTES + view.nbytes:
                 sent = Request(send[0], send_conn.channel, tag, view)  # type: ignore[index]
                 queued = _Send(sent, header)
