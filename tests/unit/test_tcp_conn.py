@@ -50,7 +50,9 @@ def queue_send(conn: _Conn, nbytes: int = 1 << 22) -> None:
 
 def test_send_into_a_reset_connection_reports_the_abort_the_peer_sent_first(pair) -> None:
     conn, theirs = pair
-    reset_by_peer(conn, theirs, wire.abort_frame({"kind": "peer_failure", "culprit": 2, "message": "rank 2 died"}))
+    reset_by_peer(
+        conn, theirs, wire.abort_frame({"kind": "peer_failure", "culprit": 2, "message": "rank 2 died"})
+    )
     queue_send(conn)
     with pytest.raises(PeerAborted) as caught:
         conn.pump_send()
@@ -61,7 +63,9 @@ def test_send_into_a_reset_connection_without_an_abort_blames_the_peer(pair) -> 
     conn, theirs = pair
     reset_by_peer(conn, theirs, b"")
     queue_send(conn)
-    with pytest.raises(PeerFailure, match=r"rank 1 \(peer-host\) broke the connection while we were sending") as caught:
+    with pytest.raises(
+        PeerFailure, match=r"rank 1 \(peer-host\) broke the connection while we were sending"
+    ) as caught:
         conn.pump_send()
     assert caught.value.peer == 1
 
