@@ -1,0 +1,69 @@
+"""Wall time and every rank's user and system CPU per allreduce, for ringcore or Open MPI.
+
+    ringcore-run -np 4 python bench/cpu_per_op.py 1M
+    mpirun --allow-run-as-root --oversubscribe -np 4 --mca btl tcp,self \\
+        python bench/cpu_per_op.py 1M --engine mpi
+
+With more ranks than cores, the wall time of back-to-back allreduces is about
+the ranks' CPU summed over the cores, so the engine that burns less CPU per op
+wins; this shows where. Float32 sum, back to back after a warm-up; rank 0
+prints the wall time per op and each rank's ``os.times`` user and system time
+per op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ringcore.bench.report import parse_size
+
+
+def measure(
+    allreduce: Callable[[], None], barrier: Callable[[], None], iters: int
+) -> tuple[float, float, float]:
+    """Seconds of wall, user and system time per call, after a warm-up and a barrier."""
+    for _ in range(max(5, iters // 4)):
+        allreduce()
+    barrier()
+    start, cpu = time.perf_counter(), os.times()
+    for _ in range(iters):
+        allreduce()
+    wall, after = time.perf_counter() - start, os.times()
+    return wall / iters, (after.user - cpu.user) / iters, (after.system - cpu.system) / iters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("size", help="buffer size, e.g. 1M (float32)")
+    parser.add_argument("--engine", choices=("ringcore", "mpi"), default="ringcore")
+    parser.add_argument("--iters", type=int, default=200, help="allreduces measured (default: 200)")
+    args = parser.parse_args()
+    x = np.ones(parse_size(args.size) // 4, np.float32)
+    if args.engine == "mpi":
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        y = np.empty_like(x)
+        wall, user, system = measure(lambda: world.Allreduce(x, y), world.Barrier, args.iters)
+        rank, size, cpu = world.rank, world.size, world.gather((user, system))
+    else:
+        import ringcore
+
+        comm = ringcore.init()
+        wall, user, system = measure(lambda: comm.allreduce(x), comm.barrier, args.iters)
+        rank, size, cpu = comm.rank, comm.size, comm.allgather(np.array([user, system])).reshape(-1, 2)
+        ringcore.shutdown()
+    if rank == 0:
+        per_rank = ", ".join(f"{u * 1e3:.2f}+{s * 1e3:.2f}" for u, s in cpu)
+        print(
+            f"{args.engine} N={size} {args.size}: {wall * 1e3:.2f} ms per op; user+sys ms per rank: {per_rank}"
+        )
+
+
+if __name__ == "__main__":
+    main()
