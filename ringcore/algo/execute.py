@@ -272,10 +272,11 @@ class Executor:
         """Whether step ``s``'s receive into ``key`` may be posted now.
 
         A whole step posts a non-empty receive, like its send, once every
-        earlier step is done: its region may then overlap earlier steps' regions (halving-doubling's
-        nested halves) without data landing, or being combined, out of order.
-        Empty receives (acknowledgements, barrier rounds) have nothing to
-        order and are posted at once, so RDMA announces them early.
+        earlier step is done: its region may then overlap earlier steps'
+        regions (halving-doubling's nested halves) without data landing, or
+        being combined, out of order. Empty receives (acknowledgements,
+        barrier rounds) have nothing to order and are posted at once, so RDMA
+        announces them early.
         """
         return key[1] == key[2] or not self.steps[s].whole or min(self.done_upto) >= s
 

@@ -29,15 +29,16 @@ the previous step's: every step is ``whole``, one frame sent and received
 only once the steps before it are done (:mod:`ringcore.algo.execute`). With
 no pipelining to hide a step's combine behind the next transfer, and frames
 of half the buffer (all of it with extras; GPU buffers stage whole frames
-through pinned slots, see :func:`largest_frame`),
-the communicator uses it only up to ``RINGCORE_HALVING_BYTES``. Its steps are
-labelled ``halving`` and ``doubling`` in the timeline.
+through pinned slots, see :func:`largest_frame`), the communicator uses it
+only up to ``RINGCORE_HALVING_BYTES``. Its steps are labelled ``halving``
+and ``doubling`` in the timeline (``fold-in`` and ``fold-out`` with extras).
 
 Cost per rank: 2 log2(N) steps; 2(N-1)/N of the buffer sent and received
 (as the ring); (N-1)/N of it combined. With extras, 2 log2(P) + 2 steps, and
-a rank with an extra also receives, combines and sends the whole buffer. Where it wins: with fewer steps, a
-rank waits on its peers fewer times; on 2 cores with 4 or 8 ranks (every
-wait a context switch) 1.2-4.6x faster than the ring from 128 KiB to 4 MiB
+a rank with an extra also receives, combines and sends the whole buffer.
+Where it wins: with fewer steps, a rank waits on its peers fewer times; on 2
+cores with 4 or 8 ranks (every wait a context switch) 1.2-4.6x faster than
+the ring from 128 KiB to 4 MiB, with 5-7 ranks 1.4-3.4x up to 1 MiB
 (``bench/RESULTS.md``).
 """
 
