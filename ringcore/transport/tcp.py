@@ -130,10 +130,14 @@ class _Conn:
         if self.header_got == 0 and not self.early:
             with contextlib.suppress(OSError, wire.ProtocolError):
                 head = self.sock.recv(wire.HEADER_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                if len(head) == wire.HEADER_BYTES and (header := wire.unpack(head))[0] == wire.ABORT:
-                    self.sock.recv(wire.HEADER_BYTES)
-                    return PeerAborted(self.peer, wire.decode_abort(self._read_control(header[3])))
+                if len(head) == wire.HEADER_BYTES and wire.unpack(head)[0] == wire.ABORT:
+                    return self._take_abort(head)
         return self.fail(f"broke the connection while we were sending ({err.strerror})")
+
+    def _take_abort(self, head: bytes) -> PeerAborted:
+        """Consume the ABORT whose header ``head`` was peeked, and say what the peer said."""
+        self.sock.recv(wire.HEADER_BYTES)
+        return PeerAborted(self.peer, wire.decode_abort(self._read_control(wire.unpack(head)[3])))
 
     def pump_send(self) -> bool:
         moved = False
@@ -281,8 +285,7 @@ class _Conn:
             raise self.fail("closed the connection")
         kind = wire.unpack(head)[0] if len(head) == wire.HEADER_BYTES else wire.DATA
         if kind == wire.ABORT:
-            self.sock.recv(wire.HEADER_BYTES)
-            raise PeerAborted(self.peer, wire.decode_abort(self._read_control(wire.unpack(head)[3])))
+            raise self._take_abort(head)
         if kind == wire.BYE:
             self.sock.recv(wire.HEADER_BYTES)
             self.departed = True
