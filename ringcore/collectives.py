@@ -4,10 +4,11 @@ Each ``plan_*`` function runs in the caller's thread and raises
 ``TypeError``/``ValueError`` before anything is sent. It returns a
 :class:`Plan`, whose ``run`` is executed later, in order, by the
 communicator: it builds the schedule, runs it, and only then writes the
-result into the caller's buffer (the *commit*), or, for the in-place ring,
-lets the executor write it there as segments arrive. A collective that
-succeeds leaves the buffer fully reduced. One that fails leaves it untouched,
-except the in-place ring's when a peer dies or stalls mid-run: that can leave
+result into the caller's buffer (the *commit*), or, in place (the ring, and
+halving-doubling without ``RINGCORE_ATOMIC``), lets the executor write it
+there as it arrives. A collective that succeeds leaves the buffer fully
+reduced. One that fails leaves it untouched, except an in-place one's when a
+peer dies or stalls mid-run: that can leave
 partial sums, as Gloo, NCCL and MPI do, unless ``RINGCORE_ATOMIC=1`` makes
 the executor back up what it overwrites and restore it (one more copy of the
 buffer). The error's note names the elements that may hold partial sums.
@@ -142,6 +143,9 @@ def allreduce_schedule(
     bytes in 2 log2(N) unpipelined steps instead of 2(N-1), measured 1.2-4.6x
     faster from 128 KiB to 4 MiB at N=4 and N=8 on 2 cores, slower from 8 MiB;
     the pipelined ring for the rest, and for every slice of a sliced buffer.
+    ``in_place`` (WORK in the caller's dtype) makes the ring, and
+    halving-doubling unless ``RINGCORE_ATOMIC=1``, write the result straight
+    into the caller's buffer.
     Halving-doubling is also kept to buffers whose largest frame (half the
     buffer, all of it with extras) fits twice in ``RINGCORE_GPU_STAGING_BYTES``:
     GPU ranks stage whole frames through pinned slots, and pinned memory must
@@ -160,7 +164,7 @@ def allreduce_schedule(
         and halving_doubling.largest_frame(comm.size, count) * itemsize * 2 <= settings.gpu_staging_bytes
         and halving_doubling.applies(comm.size, count)
     ):
-        return halving_doubling.allreduce(comm.rank, comm.size, count)
+        return halving_doubling.allreduce(comm.rank, comm.size, count, in_place and not settings.atomic)
     # Compressed rings (not in place) convert every segment on its way out: small segments
     # overlap those casts with the wire (fp16 at 1 Gbit/s, 16M: 114 ms with 512 KiB, 123 with 2 MiB).
     segment_bytes = settings.segment_size(comm.wide_segments and in_place)

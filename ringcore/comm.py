@@ -479,8 +479,9 @@ class Communicator:
         ``sub`` numbers the schedules of one collective (allgather's two, a large
         allreduce's slices), so their frames carry different tags. With ``staging``, ``arrays`` are
         device arrays and the staged executor runs the schedule; one-segment
-        schedules that leave the caller's buffer alone run in lockstep
-        (:mod:`ringcore.algo.lockstep`), the rest on the pipelined Executor.
+        schedules run in lockstep (:mod:`ringcore.algo.lockstep`) unless they
+        write the caller's buffer with ``RINGCORE_ATOMIC=1``, the rest on the
+        pipelined Executor.
         """
         if self.transport is None:
             raise RingcoreError("a world of size > 1 needs a transport")
@@ -495,7 +496,9 @@ class Communicator:
             from ringcore.device.staging import StagedExecutor
 
             executor = StagedExecutor(*common, timeout, staging, interrupt=interrupt, atomic=atomic)
-        elif (self.timeline is None or not desc.seq) and lockstep.fits(schedule, self.transport, arrays):
+        elif (self.timeline is None or not desc.seq) and lockstep.fits(
+            schedule, self.transport, arrays, atomic
+        ):
             executor = LockstepExecutor(*common, timeout, interrupt=interrupt)
         else:
             timeline = self.timeline if desc.seq else None  # #0 is init's barrier, not the user's

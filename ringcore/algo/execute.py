@@ -35,7 +35,8 @@ is untouched. That costs one copy of the buffer per run (a quarter of the
 time of an N=2 allreduce on loopback), so it is off by default: a failed run
 then leaves the regions it had written partly reduced, as Gloo, NCCL and MPI
 do. Only a dead or stalled peer can fail a run after USER is written: every
-rank's signature has been checked, directly or through the ring, before any
+rank's signature has been checked, directly or through the ring (or the
+halving pairs), before any
 rank's reduced data can reach USER, so a mismatch never touches it.
 """
 

@@ -25,10 +25,17 @@ allreduce bound per array layout (:mod:`ringcore.latency`) binds once and
 reuses the steps. Waiting goes through the transport's ``exchange`` when it
 has one (TCP's latency path), else ``progress``.
 
+Writing the caller's buffer. In-place schedules (halving-doubling, a
+one-segment ring) receive into USER and combine into it (a ``commit`` step). Without ``RINGCORE_ATOMIC`` nothing
+is backed up, so those steps run here too: a commit combines straight into
+USER, and a receive into USER is posted and progressed (header, then
+payload), never read by the latency path's single ``recvmsg_into``, which
+would spill an unexpected frame's first bytes into the caller's memory.
+
 What it does not do, so :func:`fits` sends those schedules to the Executor:
-pipelining (more than one segment), writing the caller's buffer (in-place
-receives and ``commit`` steps need the backup and restore), converting USER to
-the wire dtype on the fly, and per-step timeline events.
+pipelining (more than one segment), writing the caller's buffer with
+``atomic`` (the backup and restore), converting USER to the wire dtype on the
+fly, and per-step timeline events.
 
 Deadlock. Waiting for the step's send before its receive completes is safe:
 ``progress`` moves every posted frame both ways, and in every schedule a
@@ -62,7 +69,8 @@ class Compiled:
     """A schedule's steps with tags, connections and regions worked out once."""
 
     steps: tuple[tuple[int, Frame | None, Frame | None, tuple[Key, Key, Key] | None, bool], ...]
-    eligible: bool  # one segment, never writes USER
+    eligible: bool  # one segment
+    writes_user: bool  # some step receives or combines into USER (in place)
     sends_user: bool  # some step sends straight from USER (needs WORK in the same dtype)
     touches_user: bool  # some step sends from, receives into or reduces USER
     early: tuple[int, ...]  # steps whose (empty) receive is posted before the first step
@@ -82,7 +90,7 @@ def _compile(schedule: Schedule, transport: Transport) -> Compiled:
 
     steps: list[tuple[int, Frame | None, Frame | None, tuple[Key, Key, Key] | None, bool]] = []
     eligible = schedule.segments == 1
-    sends_user = False
+    sends_user = writes_user = False
     early: list[int] = []
     receiving_from: set[tuple[int, int]] = set()  # routes some earlier step receives on
     for index, step in enumerate(schedule.steps):
@@ -92,42 +100,54 @@ def _compile(schedule: Schedule, transport: Transport) -> Compiled:
             sends_user = sends_user or step.send.buf == Buf.USER
         if step.recv is not None:
             recv = (step.recv_peer, transport.route(step.recv_peer, 0), key(step.recv))
-            eligible = eligible and step.recv.buf != Buf.USER
+            writes_user = writes_user or step.recv.buf == Buf.USER
             if step.recv.count == 0 and recv[:2] not in receiving_from:
                 early.append(index)
             receiving_from.add(recv[:2])
-        eligible = eligible and not step.commit
-        reduce = (key(step.reduce[0]), key(step.reduce[1]), key(step.reduce[2])) if step.reduce else None
+        reduce = None
+        if step.reduce is not None:
+            dst, a, b = step.reduce
+            if step.commit:  # without a backup, a commit is a combine into USER
+                dst = dataclasses.replace(dst, buf=Buf.USER)
+                writes_user = True
+            reduce = (key(dst), key(a), key(b))
         steps.append((wire.make_tag(0, step.phase, 0), send, recv, reduce, step.final))
-    touches_user = any(
+    touches_user = writes_user or any(
         region.buf == Buf.USER
         for step in schedule.steps
         for region in (step.send, step.recv, *(step.reduce or ()))
         if region is not None
     )
-    return Compiled(tuple(steps), eligible, sends_user, touches_user, tuple(early))
+    return Compiled(tuple(steps), eligible, writes_user, sends_user, touches_user, tuple(early))
 
 
-def fits(schedule: Schedule, transport: Transport, arrays: dict[Buf, np.ndarray]) -> bool:
-    """True when ``schedule`` can run in lockstep (see the module docstring)."""
+def fits(
+    schedule: Schedule, transport: Transport, arrays: dict[Buf, np.ndarray], atomic: bool = False
+) -> bool:
+    """True when ``schedule`` can run in lockstep (see the module docstring).
+
+    ``atomic``: the caller's buffer must be restored if the run fails, which
+    only the Executor does, so a schedule that writes it is refused.
+    """
     compiled = compile_steps(schedule, transport)
-    if not compiled.eligible:
+    if not compiled.eligible or (atomic and compiled.writes_user):
         return False
-    if compiled.sends_user:
+    if compiled.sends_user or compiled.writes_user:
         user, work = arrays.get(Buf.USER), arrays.get(Buf.WORK)
         return user is None or work is None or user.dtype == work.dtype
     return True
 
 
 Wire = tuple[int, int, memoryview]  # (peer, channel, bytes)
-Bound = tuple[int, Wire | None, Wire | None, tuple[np.ndarray, np.ndarray, np.ndarray] | None, bool]
+Bound = tuple[int, Wire | None, Wire | None, tuple[np.ndarray, np.ndarray, np.ndarray] | None, bool, bool]
 
 
 def bind(compiled: Compiled, arrays: dict[Buf, np.ndarray]) -> tuple[Bound, ...]:
     """``compiled``'s steps with their regions resolved to views of ``arrays``.
 
     A step is ``(tag bits, (peer, channel, view) | None, same for the receive,
-    (dst, a, b) arrays | None, final)``. Binding once and running many times
+    (dst, a, b) arrays | None, final, scratch)``; ``scratch`` is False when
+    the receive lands in USER (see the module docstring). Binding once and running many times
     (:class:`ringcore.latency.SmallAllreduce`) saves a small allreduce the
     slicing and casting of every call.
     """
@@ -141,7 +161,8 @@ def bind(compiled: Compiled, arrays: dict[Buf, np.ndarray]) -> tuple[Bound, ...]
         wire_send = (send[0], send[1], memoryview(view(send[2])).cast("B")) if send else None
         wire_recv = (recv[0], recv[1], memoryview(view(recv[2])).cast("B")) if recv else None
         arrays_of = (view(reduce[0]), view(reduce[1]), view(reduce[2])) if reduce else None
-        bound.append((tag_bits, wire_send, wire_recv, arrays_of, final))
+        scratch = recv is None or recv[2][0] != Buf.USER
+        bound.append((tag_bits, wire_send, wire_recv, arrays_of, final, scratch))
     return tuple(bound)
 
 
@@ -157,19 +178,18 @@ def run_bound(
 ) -> None:
     """Run bound ``steps`` in order (see the module docstring); on failure, cancel and re-raise.
 
-    Every receive must land in scratch memory (the transport's ``swap`` and
-    ``exchange`` may spill an ABORT's first bytes into it); :func:`fits`
-    already keeps the caller's buffer out of lockstep receives.
+    Only receives into scratch memory take the transport's ``swap`` and
+    ``exchange``, which may spill an ABORT's first bytes into the view; a
+    receive into USER is posted and progressed.
     """
     try:
         transport.expect(seq_bits >> 32, signature)
         swap = getattr(transport, "swap", None)  # a transport's latency path (TCP's)
         exchange = getattr(transport, "exchange", None)
         posted = {index: _post_receive(transport, steps[index], seq_bits, signature) for index in early}
-        for index, (tag_bits, send, recv, reduce, final) in enumerate(steps):
-            pair = (
-                None if swap is None or index in posted else swap(send, recv, seq_bits | tag_bits, signature)
-            )
+        for index, (tag_bits, send, recv, reduce, final, scratch) in enumerate(steps):
+            direct = scratch and index not in posted  # the latency path may read this receive
+            pair = None if swap is None or not direct else swap(send, recv, seq_bits | tag_bits, signature)
             if pair is not None:
                 sent, received = pair
                 if sent is not None or received is not None:
@@ -185,7 +205,7 @@ def run_bound(
                         else transport.irecv(recv[0], recv[1], seq_bits | tag_bits, signature, recv[2])
                     )
                 done = (sent is None or sent.done) and (received is None or received.done)
-                if not done and (exchange is None or not exchange(sent, received)):
+                if not done and (exchange is None or not scratch or not exchange(sent, received)):
                     _wait(transport, sent, received, timeout, interrupt)
             if reduce is not None:
                 reducer.combine(reduce[0], reduce[1], reduce[2], final)
@@ -232,7 +252,7 @@ class LockstepExecutor:
 
 
 def _post_receive(transport: Transport, step: Bound, seq_bits: int, signature: int) -> Request:
-    tag_bits, _, recv, _, _ = step
+    tag_bits, _, recv, _, _, _ = step
     assert recv is not None
     return transport.irecv(recv[0], recv[1], seq_bits | tag_bits, signature, recv[2])
 

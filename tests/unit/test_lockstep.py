@@ -126,7 +126,9 @@ def test_fits_refuses_what_needs_the_pipelined_executor() -> None:
     user = np.zeros(300, np.float32)
     arrays = scratch_arrays(ring.allreduce(0, 3, 300, 4, 64, True), user, np.dtype(np.float32))
     assert not lockstep.fits(recursive_doubling.allreduce(0, 3, 300, 4, 64), transport, arrays)  # segments
-    assert not lockstep.fits(ring.allreduce(0, 3, 300, 4, SEGMENT, True), transport, arrays)  # writes USER
+    in_place = ring.allreduce(0, 3, 300, 4, SEGMENT, True)
+    assert not lockstep.fits(in_place, transport, arrays, atomic=True)  # writes USER, must restore it
+    assert lockstep.fits(in_place, transport, arrays)  # writes USER, no backup (tests/unit/test_in_place.py)
     assert lockstep.fits(ring.allreduce(0, 3, 300, 4, SEGMENT, False), transport, arrays)
     packed = {Buf.USER: user, Buf.WORK: np.zeros(300, np.float16)}  # sends USER in another dtype
     assert not lockstep.fits(ring.allreduce(0, 3, 300, 2, SEGMENT, False), transport, packed)
