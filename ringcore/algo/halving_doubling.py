@@ -23,9 +23,11 @@ so all ranks end bit-identical.
 
 In place. When WORK has the caller's dtype and ``RINGCORE_ATOMIC`` is off
 (the default), the last halving combine writes its result into the caller's
-buffer (a ``commit``), the doubling steps send from and receive into it, and
-an extra's fold-out lands there: no copy of the result out of WORK follows
-the last step (~10% of the CPU of a 1-4 MiB allreduce at N=4). A run that
+buffer (a ``commit``) and the doubling steps send from and receive into it:
+no copy of the result out of WORK follows the last step (~10% of the CPU of
+a 1-4 MiB allreduce at N=4). An extra still gets the result in WORK: its
+schedule has no other use for WORK, which an in-place receive with
+``RINGCORE_ATOMIC=1`` would need for its backup. A run that
 fails after that combine leaves the caller's buffer with its own values and
 final sums, as the in-place ring does. Otherwise the result ends in WORK and
 the plan copies it out after the last step, so a failed run leaves the
@@ -106,9 +108,9 @@ def allreduce(rank: int, size: int, count: int, in_place: bool = False) -> Sched
         partner = rank - core
         steps = (
             Step(partner, Region(Buf.USER, 0, count), whole=True, phase=0, label="fold-in"),
-            Step(recv_peer=partner, recv=result, whole=True, phase=last, label="fold-out"),
+            Step(recv_peer=partner, recv=whole, whole=True, phase=last, label="fold-out"),
         )
-        return Schedule(steps, 1, result)
+        return Schedule(steps, 1, whole)  # into WORK even in place: no backup space to restore USER from
     extra = rank + core if rank + core < size else None
     steps: list[Step] = []
     source = Buf.USER

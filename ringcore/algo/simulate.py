@@ -90,8 +90,10 @@ def _receive(rank: int, step: Step, links: dict, arrays: dict[Buf, np.ndarray], 
         )
     target[:] = data
     if step.reduce is not None:
-        dst, a, b = (_slice(arrays, r) for r in step.reduce)
-        reducer.combine(dst, a, b, final=step.final)
+        dst, a, b = step.reduce
+        if step.commit:  # in place: the result goes to the same region of the caller's buffer
+            dst = Region(Buf.USER, dst.start, dst.count)
+        reducer.combine(_slice(arrays, dst), _slice(arrays, a), _slice(arrays, b), final=step.final)
     return True
 
 

@@ -75,7 +75,7 @@ def _schedule(algo: str, rank: int, size: int, count: int, itemsize: int, segmen
     if algo == "ring":
         return ring.allreduce(rank, size, count, itemsize, segment, in_place)
     if algo == "halving_doubling":
-        return halving_doubling.allreduce(rank, size, count)
+        return halving_doubling.allreduce(rank, size, count, in_place)
     return recursive_doubling.allreduce(rank, size, count, itemsize, segment)
 
 

@@ -27,7 +27,11 @@ SIZES = range(2, 14)
 PRIME = 997
 INT_OPS = (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX)
 FLOAT_OPS = (*INT_OPS, ReduceOp.AVG)
-ALLREDUCES = {"ring": ring.allreduce, "recursive_doubling": recursive_doubling.allreduce}
+ALLREDUCES = {
+    "ring": ring.allreduce,
+    "ring_in_place": lambda *args: ring.allreduce(*args, True),
+    "recursive_doubling": recursive_doubling.allreduce,
+}
 
 
 def counts_for(size: int) -> list[int]:
@@ -200,17 +204,18 @@ WITH_EXTRAS = (5, 6, 7, 12)  # the ranks past the largest power of two fold in a
 
 
 @pytest.mark.parametrize("size", POWERS_OF_TWO + WITH_EXTRAS)
-def test_halving_doubling_matches_numpy(size: int) -> None:
+@pytest.mark.parametrize("in_place", [False, True])
+def test_halving_doubling_matches_numpy(size: int, in_place: bool) -> None:
     core = 1 << (size.bit_length() - 1)
     for count in sorted({core, core + 1, 2 * core - 1, 64, 1000, PRIME}):
         for dtype, op in [("int32", ReduceOp.SUM), ("int64", ReduceOp.PROD), ("int16", ReduceOp.MIN)]:
             inputs = make_inputs(size, count, dtype, op, seed=size * 31 + count)
-            schedules = [halving_doubling.allreduce(r, size, count) for r in range(size)]
+            schedules = [halving_doubling.allreduce(r, size, count, in_place) for r in range(size)]
             for got in simulate.simulate(schedules, inputs, reducer(dtype, op, size)):
                 check(got, reference(inputs, op))
         for op in FLOAT_OPS:
             inputs = make_inputs(size, count, "float64", op, seed=count)
-            schedules = [halving_doubling.allreduce(r, size, count) for r in range(size)]
+            schedules = [halving_doubling.allreduce(r, size, count, in_place) for r in range(size)]
             results = simulate.simulate(schedules, inputs, reducer("float64", op, size))
             for got in results:
                 check(got, reference(inputs, op))
