@@ -152,14 +152,24 @@ def bind(compiled: Compiled, arrays: dict[Buf, np.ndarray]) -> tuple[Bound, ...]
     slicing and casting of every call.
     """
 
+    by_buf = [arrays.get(buf) for buf in Buf]  # indexed by the int in a Key: no enum lookups
+    raw: list[memoryview | None] = [None] * len(by_buf)  # each array's bytes, cast once
+
     def view(key: Key) -> np.ndarray:
+        return by_buf[key[0]][key[1] : key[2]]  # type: ignore[index]
+
+    def wire(key: Key) -> memoryview:
         buf, lo, hi = key
-        return arrays[Buf(buf)][lo:hi]
+        whole = raw[buf]
+        if whole is None:
+            whole = raw[buf] = memoryview(by_buf[buf]).cast("B")  # type: ignore[arg-type]
+        itemsize = by_buf[buf].itemsize  # type: ignore[union-attr]
+        return whole[lo * itemsize : hi * itemsize]
 
     bound: list[Bound] = []
     for tag_bits, send, recv, reduce, final in compiled.steps:
-        wire_send = (send[0], send[1], memoryview(view(send[2])).cast("B")) if send else None
-        wire_recv = (recv[0], recv[1], memoryview(view(recv[2])).cast("B")) if recv else None
+        wire_send = (send[0], send[1], wire(send[2])) if send else None
+        wire_recv = (recv[0], recv[1], wire(recv[2])) if recv else None
         arrays_of = (view(reduce[0]), view(reduce[1]), view(reduce[2])) if reduce else None
         scratch = recv is None or recv[2][0] != Buf.USER
         bound.append((tag_bits, wire_send, wire_recv, arrays_of, final, scratch))
