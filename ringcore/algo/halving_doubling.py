@@ -27,13 +27,13 @@ In place. When WORK has the caller's dtype and ``RINGCORE_ATOMIC`` is off
 (the default), the last halving combine writes its result into the caller's
 buffer (a ``commit``) and the doubling steps send from and receive into it:
 no copy of the result out of WORK follows the last step (~10% of the CPU of
-a 1-4 MiB allreduce at N=4). An extra still gets the result in WORK: its
-schedule has no other use for WORK, which an in-place receive with
-``RINGCORE_ATOMIC=1`` would need for its backup. A run that
-fails after that combine leaves the caller's buffer with its own values and
-final sums, as the in-place ring does. Otherwise the result ends in WORK and
-the plan copies it out after the last step, so a failed run leaves the
-buffer untouched. Ranks may differ in this: the frames are the same.
+a 1-4 MiB allreduce at N=4). A run that fails after that combine leaves the
+caller's buffer with its own values and final sums, as the in-place ring
+does. Otherwise the result ends in WORK and the plan copies it out after
+the last step, so a failed run leaves the buffer untouched. An extra always
+gets the result in WORK: its schedule has no other use for WORK, which an
+in-place receive with ``RINGCORE_ATOMIC=1`` would need for its backup.
+Ranks may differ in all this: the frames are the same.
 
 The ranges halve from step to step, so a segment of one step does not line
 up with the same segment of the next, and a step's STAGE range lies inside

@@ -26,11 +26,12 @@ reuses the steps. Waiting goes through the transport's ``exchange`` when it
 has one (TCP's latency path), else ``progress``.
 
 Writing the caller's buffer. In-place schedules (halving-doubling, a
-one-segment ring) receive into USER and combine into it (a ``commit`` step). Without ``RINGCORE_ATOMIC`` nothing
-is backed up, so those steps run here too: a commit combines straight into
-USER, and a receive into USER is posted and progressed (header, then
-payload), never read by the latency path's single ``recvmsg_into``, which
-would spill an unexpected frame's first bytes into the caller's memory.
+one-segment ring) receive into USER and combine into it (a ``commit`` step).
+Without ``RINGCORE_ATOMIC`` nothing is backed up, so those steps run here
+too: a commit combines straight into USER, and a receive into USER is posted
+and progressed (header, then payload), never read by the latency path's
+single ``recvmsg_into``, which would spill an unexpected frame's first bytes
+into the caller's memory.
 
 What it does not do, so :func:`fits` sends those schedules to the Executor:
 pipelining (more than one segment), writing the caller's buffer with
@@ -147,9 +148,9 @@ def bind(compiled: Compiled, arrays: dict[Buf, np.ndarray]) -> tuple[Bound, ...]
 
     A step is ``(tag bits, (peer, channel, view) | None, same for the receive,
     (dst, a, b) arrays | None, final, scratch)``; ``scratch`` is False when
-    the receive lands in USER (see the module docstring). Binding once and running many times
-    (:class:`ringcore.latency.SmallAllreduce`) saves a small allreduce the
-    slicing and casting of every call.
+    the receive lands in USER (see the module docstring). Binding once and
+    running many times (:class:`ringcore.latency.SmallAllreduce`) saves a
+    small allreduce the slicing and casting of every call.
     """
 
     by_buf = [arrays.get(buf) for buf in Buf]  # indexed by the int in a Key: no enum lookups
