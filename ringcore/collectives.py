@@ -8,10 +8,9 @@ result into the caller's buffer (the *commit*), or, in place (the ring, and
 halving-doubling without ``RINGCORE_ATOMIC``), lets the executor write it
 there as it arrives. A collective that succeeds leaves the buffer fully
 reduced. One that fails leaves it untouched, except an in-place one's when a
-peer dies or stalls mid-run: that can leave
-partial sums, as Gloo, NCCL and MPI do, unless ``RINGCORE_ATOMIC=1`` makes
-the executor back up what it overwrites and restore it (one more copy of the
-buffer). The error's note names the elements that may hold partial sums.
+peer dies or stalls mid-run: that can leave partial sums, as Gloo, NCCL and
+MPI do, unless ``RINGCORE_ATOMIC=1`` makes the executor back up what it
+overwrites and restore it (one more copy of the buffer). The error's note names the elements that may hold partial sums.
 
 Large buffers. Scratch (WORK, STAGE) is as long as the buffer, so an
 allreduce or broadcast of more than ``RINGCORE_SLICE_BYTES`` (auto: 48 MiB)
@@ -141,7 +140,7 @@ def allreduce_schedule(
     ``RINGCORE_HALVING_BYTES`` (a quarter of it when ranks past the largest
     power of two fold in, see ``halving_doubling.byte_limit``): the ring's
     bytes in 2 log2(N) unpipelined steps instead of 2(N-1), measured 1.2-4.6x
-    faster from 128 KiB to 4 MiB at N=4 and N=8 on 2 cores, slower from 8 MiB;
+    faster from 128 KiB to 4 MiB at N=4 and N=8 on 2 cores, even at 8-16 MiB;
     the pipelined ring for the rest, and for every slice of a sliced buffer.
     ``in_place`` (WORK in the caller's dtype) makes the ring, and
     halving-doubling unless ``RINGCORE_ATOMIC=1``, write the result straight

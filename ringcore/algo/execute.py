@@ -36,8 +36,9 @@ time of an N=2 allreduce on loopback), so it is off by default: a failed run
 then leaves the regions it had written partly reduced, as Gloo, NCCL and MPI
 do. Only a dead or stalled peer can fail a run after USER is written: every
 rank's signature has been checked, directly or through the ring (or the
-halving pairs), before any
-rank's reduced data can reach USER, so a mismatch never touches it.
+halving pairs), before any rank's reduced data can reach USER, so a mismatch
+never touches it. :func:`check_in_place` refuses, before anything is sent,
+an in-place schedule whose WORK cannot hold the backups.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -107,6 +108,26 @@ def cached_per_transport(
             entries.pop(next(iter(entries)))
         entry = entries[id(schedule)] = (schedule, build(schedule, transport))
     return entry[1]
+
+
+def check_in_place(schedule: Schedule, user: Any, work: Any, atomic: bool) -> None:
+    """Refuse an in-place schedule (result in USER) whose WORK cannot serve it, before anything is sent.
+
+    Sends from USER go out as they are, so WORK must have the caller's dtype
+    (no compression); with ``atomic``, every region of USER is backed up into
+    the same region of WORK, so WORK must be as long as USER.
+    """
+    if user is None or work is None or not schedule.steps:
+        return
+    if schedule.result is None or schedule.result.buf != _USER:
+        return
+    if work.dtype != user.dtype:
+        raise ValueError("an in-place schedule needs WORK in the caller's dtype (no compression)")
+    if atomic and work.size < user.size:
+        raise ValueError(
+            f"an in-place schedule with atomic backups needs WORK as long as the caller's buffer "
+            f"({work.size} < {user.size} elements)"
+        )
 
 
 def compile_program(schedule: Schedule, transport: Transport) -> Program:
@@ -205,8 +226,7 @@ class Executor:
         self.signature = signature
         self.timeout = timeout
         self.pack = work is not None and user is not None and work.dtype != user.dtype
-        if self.pack and schedule.result is not None and schedule.result.buf == _USER and schedule.steps:
-            raise ValueError("an in-place schedule needs WORK in the caller's dtype (no compression)")
+        check_in_place(schedule, user, work, atomic)
         self.step_done = [row[:] for row in program.step_done]
         self.done_upto = program.done_upto[:]
         self.saved: list[Key] = []  # USER regions whose old values wait in WORK

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ringcore.algo.execute import Executor, Item, Key, Program, Route, compile_program
+from ringcore.algo.execute import Executor, Item, Key, Program, Route, check_in_place, compile_program
 from ringcore.algo.steps import Buf, Schedule
 from ringcore.device.layer import DeviceArray, DeviceLayer, DeviceReducer, Event, Stream
 from ringcore.errors import CollectiveTimeout
@@ -115,6 +115,7 @@ class StagedExecutor(Executor):
         self.arrays = [arrays.get(Buf.USER), arrays.get(Buf.WORK), arrays.get(Buf.STAGE)]
         user, work = self.arrays[_USER], self.arrays[_WORK]
         self.pack = user is not None and work is not None and work.dtype != user.dtype
+        check_in_place(schedule, user, work, atomic)
         self.seq_bits = (seq & 0xFFFFFFFF) << 32
         self.signature, self.timeout, self.interrupt = signature, timeout, interrupt
         self.atomic = atomic

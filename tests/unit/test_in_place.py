@@ -263,3 +263,14 @@ def test_halving_doubling_failure_without_atomic_leaves_own_values_and_final_sum
         assert np.all(own | (users[rank] == total)), f"rank {rank} holds values that are neither"
         if errors[rank] is not None:
             assert isinstance(errors[rank], (RuntimeError, PeerFailure, CollectiveTimeout)), errors[rank]
+
+
+def test_atomic_in_place_needs_work_as_long_as_the_buffer_to_back_it_up() -> None:
+    """Refused before anything is sent, instead of failing mid-run on the first backup."""
+    schedule = ring.allreduce(0, 2, 100, 8, 64, True)
+    short = {Buf.USER: np.zeros(100), Buf.WORK: np.zeros(10)}
+    transport = LoopbackNetwork(2).transport(0)
+    reducer = Reducer(DTYPES["float64"], ReduceOp.SUM, Compression.NONE, 2)
+    with pytest.raises(ValueError, match="as long as the caller's buffer"):
+        Executor(transport, schedule, short, reducer, 1, 1, 1.0, atomic=True)
+    Executor(transport, schedule, short, reducer, 1, 1, 1.0, atomic=False)  # no backups, no need
