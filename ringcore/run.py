@@ -14,13 +14,18 @@ environment plus:
   (``--addr``, default ``127.0.0.1``; ``--port``, default a free local port)
 - ``PYTHONUNBUFFERED=1`` so output arrives line by line
 
-When the host has a CPU for every rank, each rank is bound to its own equal
-share of the CPUs this launcher may use, rank ``r`` to the ``r``-th
-(``--bind-to core``, the default; Open MPI binds small jobs too): a rank the
-scheduler leaves on its peer's core makes a 4 KiB allreduce take 250-400 us
-instead of 45-95 us (measured, N=2 on 2 cores). A share keeps all its CPUs
-(a rank's own threads, e.g. torch's, still spread over them). With more ranks
-than CPUs nothing is bound; ``--bind-to none`` never binds.
+Binding (``--bind-to core``, the default; ``RINGCORE_BIND_TO`` sets the
+default, e.g. for ``ringcore-bench --np``): when the host has a CPU for every
+rank, rank ``r`` is bound to the ``r``-th equal share of the CPUs this
+launcher may use (Open MPI binds small jobs too). A rank the scheduler leaves
+on its peer's core makes a 4 KiB allreduce take 250-400 us instead of 45-95
+us (measured, N=2 on 2 cores). A share keeps all its CPUs (a rank's own
+threads, e.g. torch's, still spread over them). With more ranks than CPUs,
+rank ``r`` is bound to CPU ``r mod CPUs`` (round robin, as Open MPI's
+``--map-by core --bind-to core:overload-allowed``): ranks the scheduler moves
+between cores run on cold caches, and at N=4 on 2 cores a 4 KiB allreduce
+took 240-300 us bound against 390-450 unbound (bench/RESULTS.md).
+``--bind-to none`` never binds.
 
 Each rank runs in its own session, so it and everything it starts form one
 process group that the launcher can signal as a whole. Its stdin is
@@ -93,7 +98,7 @@ class Options:
         grace: Seconds between SIGTERM and SIGKILL when stopping ranks.
         timeout: Wall-clock limit for the whole job in seconds; 0 means none.
         command: The program and its arguments.
-        bind: Bind rank r to the r-th equal share of the usable CPUs when there is one per rank.
+        bind: Bind each rank to its CPUs (:func:`rank_cores`).
         secret: The job's RINGCORE_SECRET: the launcher's own if set, else a fresh random one.
     """
 
@@ -161,9 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--bind-to",
         choices=("core", "none"),
-        default="core",
-        help="core (default): rank r runs on the r-th equal share of the usable CPUs, when "
-        "there is a CPU per rank; none: let the scheduler place the ranks",
+        default=os.environ.get("RINGCORE_BIND_TO", "core"),
+        help="core (default; RINGCORE_BIND_TO sets it): rank r runs on the r-th equal share of "
+        "the usable CPUs, or on CPU r mod CPUs when ranks outnumber them; none: let the "
+        "scheduler place the ranks",
     )
     add("command", nargs=argparse.REMAINDER, help="the program to run and its arguments (after -- if needed)")
     return parser
@@ -180,6 +186,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.bind_to not in ("core", "none"):
+        parser.error(f"RINGCORE_BIND_TO must be core or none, got {args.bind_to!r}")
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -393,11 +401,11 @@ class Job:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def rank_cores(size: int) -> list[set[int]] | None:
-    """Disjoint equal shares of the usable CPUs, one per rank; ``None`` with fewer CPUs than ranks."""
+def rank_cores(size: int) -> list[set[int]]:
+    """Each rank's CPUs: disjoint equal shares of the usable CPUs, or one each, round robin, when crowded."""
     usable = sorted(os.sched_getaffinity(0))
     if size > len(usable):
-        return None
+        return [{usable[rank % len(usable)]} for rank in range(size)]
     share = len(usable) // size
     return [set(usable[rank * share : (rank + 1) * share]) for rank in range(size)]
 

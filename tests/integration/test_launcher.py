@@ -166,21 +166,34 @@ def test_ranks_are_bound_to_disjoint_equal_shares_of_the_cpus() -> None:
     assert got == {rank: usable[rank * share : (rank + 1) * share] for rank in range(size)}
 
 
-def test_rank_cores_splits_evenly_and_gives_up_when_crowded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rank_cores_splits_evenly_and_goes_round_robin_when_crowded(monkeypatch: pytest.MonkeyPatch) -> None:
     from ringcore import run
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6})
     assert run.rank_cores(3) == [{0, 1}, {2, 3}, {4, 5}]
     assert run.rank_cores(7) == [{c} for c in range(7)]
-    assert run.rank_cores(8) is None
+    assert run.rank_cores(9) == [{0}, {1}, {2}, {3}, {4}, {5}, {6}, {0}, {1}]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 9})
+    assert run.rank_cores(4) == [{4}, {9}, {4}, {9}]
 
 
-def test_no_binding_when_ranks_outnumber_cpus_or_when_told() -> None:
+def test_crowded_ranks_are_bound_round_robin() -> None:
     usable = sorted(os.sched_getaffinity(0))
-    crowded = affinities(launch("-np", len(usable) + 1, sys.executable, "-c", AFFINITY))
-    assert crowded == dict.fromkeys(range(len(usable) + 1), usable)
-    free = affinities(launch("-np", 1, "--bind-to", "none", sys.executable, "-c", AFFINITY))
-    assert free == {0: usable}
+    size = len(usable) + 1
+    crowded = affinities(launch("-np", size, sys.executable, "-c", AFFINITY))
+    assert crowded == {rank: [usable[rank % len(usable)]] for rank in range(size)}
+
+
+def test_no_binding_when_told_by_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    usable = sorted(os.sched_getaffinity(0))
+    free = affinities(launch("-np", 2, "--bind-to", "none", sys.executable, "-c", AFFINITY))
+    assert free == {0: usable, 1: usable}
+    monkeypatch.setenv("RINGCORE_BIND_TO", "none")
+    assert affinities(launch("-np", 2, sys.executable, "-c", AFFINITY)) == {0: usable, 1: usable}
+    monkeypatch.setenv("RINGCORE_BIND_TO", "sockets")
+    refused = launch("-np", 1, sys.executable, "-c", AFFINITY)
+    assert refused.returncode == 2
+    assert "RINGCORE_BIND_TO must be core or none, got 'sockets'" in refused.stderr
 
 
 @pytest.mark.timeout(90)
