@@ -166,7 +166,9 @@ def allreduce_schedule(
         return halving_doubling.allreduce(comm.rank, comm.size, count, in_place and not settings.atomic)
     # Compressed rings (not in place) convert every segment on its way out: small segments
     # overlap those casts with the wire (fp16 at 1 Gbit/s, 16M: 114 ms with 512 KiB, 123 with 2 MiB).
-    segment_bytes = settings.segment_size(comm.wide_segments and in_place)
+    segment_bytes = settings.segment_size(
+        wide=comm.wide_segments and in_place, whole_chunk=comm.cache_slices and in_place
+    )
     return ring.allreduce(comm.rank, comm.size, count, itemsize, segment_bytes, in_place)
 
 

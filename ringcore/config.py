@@ -126,19 +126,28 @@ class Settings:
         """
         return (AUTO_SPIN_US if self.spin_us is None else self.spin_us) / 1e6
 
-    def segment_size(self, wide: bool = False) -> int:
+    def segment_size(self, wide: bool = False, whole_chunk: bool = False) -> int:
         """Bytes per pipelined segment: ``RINGCORE_SEGMENT_BYTES`` when set.
 
-        Auto: 512 KiB, or 2 MiB with ``wide``: the uncompressed allreduce ring
-        over TCP except on one host with a CPU per rank (whose cache-sized
-        slices hold two 512 KiB segments per rank). Fewer, larger segments cost less
-        Python and fewer wake-ups per byte. Measured side by side: N=4 on 2
-        cores 6-8% faster at 4-64 MiB; the emulated 4-host cluster the same
-        at 1 Gbit/s (a segment's time does not stall the pipeline, whose
-        links stay busy with earlier segments) and 0-12% faster at 10 Gbit/s.
+        Auto, for the uncompressed allreduce ring over TCP:
+        - ``whole_chunk`` (one host, a CPU per rank: cache-sized slices, see
+          ``allreduce_slice_bytes``): 1 MiB, a rank's whole chunk of a slice,
+          so every slice is a one-segment ring, which runs in lockstep
+          (``algo.lockstep``) instead of a pipeline of two 512 KiB segments.
+          N=2 on 2 cores, `barrier; allreduce`, alternating in one job: 11-17%
+          faster at 4-64 MiB, with less user CPU (16 MiB: 3.4 against 4.5 ms).
+        - ``wide`` (the rest): 2 MiB. Fewer, larger segments cost less Python
+          and fewer wake-ups per byte. Measured side by side: N=4 on 2 cores
+          6-8% faster at 4-64 MiB; the emulated 4-host cluster the same at 1
+          Gbit/s (a segment's time does not stall the pipeline, whose links
+          stay busy with earlier segments) and 0-12% faster at 10 Gbit/s.
+
+        Everything else (compressed rings, broadcasts, allgathers...): 512 KiB.
         """
         if self.segment_bytes is not None:
             return self.segment_bytes
+        if whole_chunk:
+            return CACHE_SLICE_PER_RANK
         return WIDE_SEGMENT_BYTES if wide else SEGMENT_BYTES
 
     def scratch_slice_bytes(self) -> int:
@@ -150,7 +159,7 @@ class Settings:
 
         Auto: 48 MiB, a bound on scratch memory; but with ``cache_sized`` (TCP,
         every rank on one host, a CPU for each) ``size`` MiB, so each rank's
-        chunk of a slice (two 512 KiB segments) is still in cache when the
+        chunk of a slice (one 1 MiB segment, see ``segment_size``) is still in cache when the
         kernel copies it out, when it is reduced and when it is sent on. On
         2 cores, N=2, that took 64 MiB from 44 to 28 ms: the kernel's
         copies, most of an allreduce's CPU, ran from cache instead of DRAM.

@@ -154,11 +154,19 @@ def test_a_crowded_host_keeps_the_scratch_budget() -> None:
         assert cluster.results(ring_segment_bytes, False) == [512 * 1024] * 3  # compressed: casts overlap
 
 
+def slice_segments(comm: Any) -> int:
+    """Segments per chunk of one cache-sized slice's ring (float32)."""
+    return allreduce_schedule(comm, comm.allreduce_slice_bytes // 4, 4, in_place=True, sliced=True).segments
+
+
 @pytest.mark.timeout(60)
-def test_an_uncrowded_host_keeps_512k_segments_and_a_set_size_wins() -> None:
+def test_an_uncrowded_host_rings_each_slice_in_one_segment_and_a_set_size_wins() -> None:
+    """A CPU per rank: 1 MiB segments, a rank's whole chunk of a slice (so slices run in lockstep)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 CPUs: with more ranks than CPUs the ring takes 2 MiB segments")
     with Cluster(2) as cluster:
-        assert cluster.results(ring_segment_bytes) == [512 * 1024] * 2
+        assert cluster.results(ring_segment_bytes) == [MIB] * 2
+        assert cluster.results(slice_segments) == [1] * 2
+        assert cluster.results(ring_segment_bytes, False) == [512 * 1024] * 2  # compressed: casts overlap
     with Cluster(3, env={"RINGCORE_SEGMENT_BYTES": "256K"}) as cluster:  # crowded, yet as set
         assert cluster.results(ring_segment_bytes) == [256 * 1024] * 3

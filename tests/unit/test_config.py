@@ -14,6 +14,7 @@ def test_defaults_from_an_empty_environment() -> None:
     assert settings.rank is None and settings.size is None and settings.addr is None
     assert settings.segment_bytes is None and settings.channels == 1  # auto
     assert settings.segment_size() == 512 * KIB and settings.segment_size(wide=True) == 2 * MIB
+    assert settings.segment_size(whole_chunk=True) == MIB  # a rank's chunk of a cache-sized slice
 
 
 def test_every_variable_is_read() -> None:
@@ -40,7 +41,9 @@ def test_every_variable_is_read() -> None:
     assert (s.addr, s.port, s.ifname) == ("10.0.0.7", 4711, "eth1")
     assert (s.timeout, s.init_timeout, s.channels) == (2.5, 30.0, 4)
     assert (s.segment_bytes, s.small_bytes, s.socket_buffer) == (4 * MIB, 512 * KIB, 0)
-    assert s.segment_size() == s.segment_size(wide=True) == 4 * MIB  # a set size wins
+    assert (
+        s.segment_size() == s.segment_size(wide=True) == s.segment_size(whole_chunk=True) == 4 * MIB
+    )  # set wins
     assert s.slice_bytes == 16 * MIB and s.atomic
     assert s.log_level == "DEBUG"
 
