@@ -134,7 +134,7 @@ class Settings:
           ``allreduce_slice_bytes``): 1 MiB, a rank's whole chunk of a slice,
           so every slice is a one-segment ring, which runs in lockstep
           (``algo.lockstep``) instead of a pipeline of two 512 KiB segments.
-          N=2 on 2 cores, `barrier; allreduce`, alternating in one job: 11-17%
+          N=2 on 2 cores, ``barrier; allreduce``, alternating in one job: 11-17%
           faster at 4-64 MiB, with less user CPU (16 MiB: 3.4 against 4.5 ms).
         - ``wide`` (the rest): 2 MiB. Fewer, larger segments cost less Python
           and fewer wake-ups per byte. Measured side by side: N=4 on 2 cores
@@ -159,10 +159,11 @@ class Settings:
 
         Auto: 48 MiB, a bound on scratch memory; but with ``cache_sized`` (TCP,
         every rank on one host, a CPU for each) ``size`` MiB, so each rank's
-        chunk of a slice (one 1 MiB segment, see ``segment_size``) is still in cache when the
-        kernel copies it out, when it is reduced and when it is sent on. On
-        2 cores, N=2, that took 64 MiB from 44 to 28 ms: the kernel's
-        copies, most of an allreduce's CPU, ran from cache instead of DRAM.
+        chunk of a slice (one 1 MiB segment, see ``segment_size``) is still in
+        cache when the kernel copies it out, when it is reduced and when it is
+        sent on. On 2 cores, N=2, that took 64 MiB from 44 to 28 ms: the
+        kernel's copies, most of an allreduce's CPU, ran from cache instead of
+        DRAM.
         A slice costs a pipeline drain, cheap only on a host's own loopback.
         """
         if self.slice_bytes is not None:
