@@ -6,9 +6,11 @@
 
 With more ranks than cores, the wall time of back-to-back allreduces is about
 the ranks' CPU summed over the cores, so the engine that burns less CPU per op
-wins; this shows where. Float32 sum, back to back after a warm-up; rank 0
-prints the wall time per op and each rank's ``os.times`` user and system time
-per op.
+wins; this shows where. Float32 sum in place (Open MPI with ``MPI_IN_PLACE``, as
+``bench/compare.py``'s peer: out of place it copies the input first), back to
+back after a warm-up, or ``barrier; op`` with ``--barrier`` (the benchmarks'
+loop, the barrier's CPU included); rank 0 prints the wall time per op and each
+rank's ``os.times`` user and system time per op.
 """
 
 from __future__ import annotations
@@ -24,15 +26,21 @@ from ringcore.bench.report import parse_size
 
 
 def measure(
-    allreduce: Callable[[], None], barrier: Callable[[], None], iters: int
+    allreduce: Callable[[], None], barrier: Callable[[], None], iters: int, with_barrier: bool = False
 ) -> tuple[float, float, float]:
-    """Seconds of wall, user and system time per call, after a warm-up and a barrier."""
-    for _ in range(max(5, iters // 4)):
+    """Seconds of wall, user and system time per call (``barrier; call`` with ``with_barrier``)."""
+
+    def one() -> None:
+        if with_barrier:
+            barrier()
         allreduce()
+
+    for _ in range(max(5, iters // 4)):
+        one()
     barrier()
     start, cpu = time.perf_counter(), os.times()
     for _ in range(iters):
-        allreduce()
+        one()
     wall, after = time.perf_counter() - start, os.times()
     return wall / iters, (after.user - cpu.user) / iters, (after.system - cpu.system) / iters
 
@@ -42,26 +50,32 @@ def main() -> None:
     parser.add_argument("size", help="buffer size, e.g. 1M (float32)")
     parser.add_argument("--engine", choices=("ringcore", "mpi"), default="ringcore")
     parser.add_argument("--iters", type=int, default=200, help="allreduces measured (default: 200)")
+    parser.add_argument(
+        "--barrier", action="store_true", help="time barrier; allreduce, as the benchmarks do"
+    )
     args = parser.parse_args()
     x = np.ones(parse_size(args.size) // 4, np.float32)
     if args.engine == "mpi":
         from mpi4py import MPI
 
         world = MPI.COMM_WORLD
-        y = np.empty_like(x)
-        wall, user, system = measure(lambda: world.Allreduce(x, y), world.Barrier, args.iters)
+        op = [x, MPI.FLOAT]
+        wall, user, system = measure(
+            lambda: world.Allreduce(MPI.IN_PLACE, op, op=MPI.SUM), world.Barrier, args.iters, args.barrier
+        )
         rank, size, cpu = world.rank, world.size, world.gather((user, system))
     else:
         import ringcore
 
         comm = ringcore.init()
-        wall, user, system = measure(lambda: comm.allreduce(x), comm.barrier, args.iters)
+        wall, user, system = measure(lambda: comm.allreduce(x), comm.barrier, args.iters, args.barrier)
         rank, size, cpu = comm.rank, comm.size, comm.allgather(np.array([user, system])).reshape(-1, 2)
         ringcore.shutdown()
     if rank == 0:
         per_rank = ", ".join(f"{u * 1e3:.2f}+{s * 1e3:.2f}" for u, s in cpu)
         print(
-            f"{args.engine} N={size} {args.size}: {wall * 1e3:.2f} ms per op; user+sys ms per rank: {per_rank}"
+            f"{args.engine} N={size} {args.size}{' barrier;op' if args.barrier else ''}: {wall * 1e3:.2f} ms"
+            f" per op; user+sys ms per rank: {per_rank}"
         )
 
 
