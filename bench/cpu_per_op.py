@@ -10,7 +10,8 @@ wins; this shows where. Float32 sum in place (Open MPI with ``MPI_IN_PLACE``, as
 ``bench/compare.py``'s peer: out of place it copies the input first), back to
 back after a warm-up, or ``barrier; op`` with ``--barrier`` (the benchmarks'
 loop, the barrier's CPU included); rank 0 prints the wall time per op and each
-rank's ``os.times`` user and system time per op.
+rank's ``os.times`` user and system time per op; every rank then checks one allreduce
+against the exact sum (exit status 1 when any element is wrong).
 """
 
 from __future__ import annotations
@@ -54,29 +55,44 @@ def main() -> None:
         "--barrier", action="store_true", help="time barrier; allreduce, as the benchmarks do"
     )
     args = parser.parse_args()
-    x = np.ones(parse_size(args.size) // 4, np.float32)
+    x = np.zeros(parse_size(args.size) // 4, np.float32)  # zeros: in-place sums stay 0
     if args.engine == "mpi":
         from mpi4py import MPI
 
         world = MPI.COMM_WORLD
         op = [x, MPI.FLOAT]
-        wall, user, system = measure(
-            lambda: world.Allreduce(MPI.IN_PLACE, op, op=MPI.SUM), world.Barrier, args.iters, args.barrier
-        )
-        rank, size, cpu = world.rank, world.size, world.gather((user, system))
+
+        def allreduce() -> None:
+            world.Allreduce(MPI.IN_PLACE, op, op=MPI.SUM)
+
+        rank, size = world.rank, world.size
+        wall, user, system = measure(allreduce, world.Barrier, args.iters, args.barrier)
+        wrong = check(x, rank, size, allreduce)
+        cpu, wrong = world.gather((user, system)), world.allreduce(wrong)
     else:
         import ringcore
 
         comm = ringcore.init()
+        rank, size = comm.rank, comm.size
         wall, user, system = measure(lambda: comm.allreduce(x), comm.barrier, args.iters, args.barrier)
-        rank, size, cpu = comm.rank, comm.size, comm.allgather(np.array([user, system])).reshape(-1, 2)
+        wrong = check(x, rank, size, lambda: comm.allreduce(x))
+        cpu = comm.allgather(np.array([user, system])).reshape(-1, 2)
+        wrong = int(comm.allreduce(np.array([wrong]))[0])
         ringcore.shutdown()
     if rank == 0:
         per_rank = ", ".join(f"{u * 1e3:.2f}+{s * 1e3:.2f}" for u, s in cpu)
         print(
             f"{args.engine} N={size} {args.size}{' barrier;op' if args.barrier else ''}: {wall * 1e3:.2f} ms"
-            f" per op; user+sys ms per rank: {per_rank}"
+            f" per op; user+sys ms per rank: {per_rank}; wrong elements: {wrong}"
         )
+    raise SystemExit(1 if wrong else 0)
+
+
+def check(x: np.ndarray, rank: int, size: int, allreduce: Callable[[], None]) -> int:
+    """Elements of one more allreduce, of ``rank + 1`` on every rank, that differ from the sum."""
+    x[:] = rank + 1
+    allreduce()
+    return int(np.count_nonzero(x != size * (size + 1) / 2))
 
 
 if __name__ == "__main__":

@@ -62,17 +62,52 @@ def _send_spliced(libc: ctypes.CDLL, sock: socket.socket, data: np.ndarray, pipe
             moved -= os.splice(read_end, sock.fileno(), moved)
 
 
-def _receive(sock: socket.socket, piece: int, report: int) -> None:
-    buffer = memoryview(np.zeros(TOTAL, np.uint8))
+def _receive(sock: socket.socket, piece: int, report: int, rounds: int) -> None:
+    array = np.zeros(TOTAL, np.uint8)
+    buffer = memoryview(array)
     start = time.process_time()
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         offset = 0
         while offset < TOTAL:
-            offset += sock.recv_into(buffer[offset : offset + piece])
-    os.write(report, repr(time.process_time() - start).encode())
+            got = sock.recv_into(buffer[offset : offset + piece])
+            if not got:
+                os.write(report, b"nan False")  # the sender stopped early
+                return
+            offset += got
+    cpu = time.process_time() - start
+    os.write(report, f"{cpu!r} {np.array_equal(array, _pattern())}".encode())
 
 
-def measure(piece: int, socket_buffer: int, splice: bool = False, same_cpu: bool = False) -> str:
+def _pattern() -> np.ndarray:
+    """What the sender sends: every byte value, over and over."""
+    return np.resize(np.arange(256, dtype=np.uint8), TOTAL)
+
+
+def _send(
+    sender: socket.socket, piece: int, rounds: int, pipe: tuple[int, int] | None
+) -> tuple[float, float]:
+    """Send the pattern ``rounds`` times in ``piece``-byte sends (spliced through ``pipe`` if given).
+
+    Returns the wall and CPU seconds it took.
+    """
+    array = _pattern()
+    data = memoryview(array)
+    libc = _splicer() if pipe is not None else None
+    if pipe is not None:
+        fcntl.fcntl(pipe[1], _F_SETPIPE_SZ, min(piece, MIB))
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(rounds):
+        for offset in range(0, TOTAL, piece):
+            if libc is not None and pipe is not None:
+                _send_spliced(libc, sender, array[offset : offset + piece], pipe)
+            else:
+                sender.sendall(data[offset : offset + piece])
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def measure(
+    piece: int, socket_buffer: int, splice: bool = False, same_cpu: bool = False, rounds: int = ROUNDS
+) -> str:
     """One line: goodput and CPU ms per MiB on each side, for ``piece``-byte sends."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         sender = socket.create_connection(server.getsockname())
@@ -87,31 +122,26 @@ def measure(piece: int, socket_buffer: int, splice: bool = False, same_cpu: bool
         if same_cpu:
             os.sched_setaffinity(0, {0})
         sender.close()
-        _receive(receiver, piece, write_end)
+        _receive(receiver, piece, write_end, rounds)
         os._exit(0)
     receiver.close()
+    allowed = os.sched_getaffinity(0)
     if same_cpu:
         os.sched_setaffinity(0, {0})
-    array = np.ones(TOTAL, np.uint8)
-    data = memoryview(array)
-    libc = _splicer() if splice else None
-    pipe = os.pipe() if splice else (-1, -1)
-    if splice:
-        fcntl.fcntl(pipe[1], _F_SETPIPE_SZ, min(piece, MIB))
-    cpu, wall = time.process_time(), time.perf_counter()
-    for _ in range(ROUNDS):
-        for offset in range(0, TOTAL, piece):
-            if libc is not None:
-                _send_spliced(libc, sender, array[offset : offset + piece], pipe)
-            else:
-                sender.sendall(data[offset : offset + piece])
-    os.waitpid(child, 0)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    receive_cpu = float(os.read(read_end, 100))
-    sender.close()
-    for fd in (read_end, write_end, *(pipe if splice else ())):
-        os.close(fd)
-    mib = TOTAL * ROUNDS / MIB
+    pipe = os.pipe() if splice else None
+    try:
+        wall, cpu = _send(sender, piece, rounds, pipe)
+    finally:
+        os.sched_setaffinity(0, allowed)
+        sender.close()  # the receiver stops at EOF if sending failed
+        os.waitpid(child, 0)
+        cpu_text, intact = os.read(read_end, 100).decode().split()
+        for fd in (read_end, write_end, *(pipe or ())):
+            os.close(fd)
+    if intact != "True":
+        raise RuntimeError("the receiver got other bytes than were sent")
+    receive_cpu = float(cpu_text)
+    mib = TOTAL * rounds / MIB
     return (
         f"{'splice' if splice else 'send'} {piece >> 10:5d} KiB, socket buffers {socket_buffer >> 10 or 'default':>7}: "
         f"{mib / wall / 1024:5.2f} GiB/s; CPU per MiB: send {cpu / mib * 1e3:.3f} ms, "

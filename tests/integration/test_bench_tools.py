@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +42,58 @@ def test_ab_settings_checks_and_times_every_variant() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if "busbw" in line]
     assert len(lines) == 2 and "ATOMIC=1" in lines[0] and "SEGMENT_BYTES=64K" in lines[1], proc.stdout
+
+
+def _run_bench(command: list[str], timeout: float = 100) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGCORE_")}
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**env, "RINGCORE_TIMEOUT": "60"},
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("barrier", [False, True])
+def test_cpu_per_op_times_every_rank_and_checks_the_sum(barrier: bool) -> None:
+    script = [
+        sys.executable,
+        "bench/cpu_per_op.py",
+        "64K",
+        "--iters",
+        "5",
+        *(["--barrier"] if barrier else []),
+    ]
+    proc = _run_bench([sys.executable, "-m", "ringcore.run", "-np", "3", *script])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = [line for line in proc.stdout.splitlines() if "per op" in line]
+    assert ("barrier;op" in line) == barrier, line
+    assert len(re.findall(r"\d+\.\d+\+\d+\.\d+", line)) == 3 and line.endswith("wrong elements: 0"), line
+
+
+@pytest.mark.timeout(120)
+def test_cpu_per_op_measures_open_mpi_in_place() -> None:
+    mpirun = shutil.which("mpirun")
+    if mpirun is None or importlib.util.find_spec("mpi4py") is None:
+        pytest.skip(
+            "needs mpirun and mpi4py (apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py)"
+        )
+    script = [sys.executable, "bench/cpu_per_op.py", "64K", "--iters", "5", "--engine", "mpi", "--barrier"]
+    mca = ["--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo"]
+    proc = _run_bench([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", *mca, *script])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mpi N=2 64K barrier;op" in proc.stdout and "wrong elements: 0" in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("splice", [False, True])
+def test_kernel_cost_moves_the_bytes_intact(splice: bool) -> None:
+    import kernel_cost
+
+    allowed = os.sched_getaffinity(0)
+    line = kernel_cost.measure(256 << 10, 1 << 20, splice=splice, same_cpu=True, rounds=1)
+    assert line.startswith("splice" if splice else "send") and "GiB/s" in line, line
+    assert os.sched_getaffinity(0) == allowed  # the pin to one CPU is undone
