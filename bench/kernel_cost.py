@@ -14,8 +14,8 @@ receives B bytes per rank cannot use less CPU than B times these costs.
 buffer's pages to a pipe and ``splice`` moves them into the socket, so the
 receiver copies straight out of the sender's pages (loopback delivers the
 same buffers). It is what a zero-copy TCP send could save; ringcore does not
-send this way (see bench/RESULTS.md, "What limits ringcore here": the
-receiver pays more than the sender saves). ``--same-cpu`` pins both ends to
+send this way (bench/RESULTS.md, "Zero-copy sends, tried": the receiver pays
+more than the sender saves). ``--same-cpu`` pins both ends to
 one CPU, where wall time is their CPU summed, as with more ranks than cores.
 """
 
@@ -118,12 +118,14 @@ def measure(
     sender.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     read_end, write_end = os.pipe()
     child = os.fork()
-    if child == 0:
-        if same_cpu:
-            os.sched_setaffinity(0, {0})
-        sender.close()
-        _receive(receiver, piece, write_end, rounds)
-        os._exit(0)
+    if child == 0:  # the receiver; it must never return into the caller's code
+        try:
+            if same_cpu:
+                os.sched_setaffinity(0, {0})
+            sender.close()
+            _receive(receiver, piece, write_end, rounds)
+        finally:
+            os._exit(0)
     receiver.close()
     allowed = os.sched_getaffinity(0)
     if same_cpu:
