@@ -127,6 +127,7 @@ def measure(
         finally:
             os._exit(0)
     receiver.close()
+    os.close(write_end)  # so a receiver that died without a word reads as end of file
     allowed = os.sched_getaffinity(0)
     if same_cpu:
         os.sched_setaffinity(0, {0})
@@ -137,12 +138,12 @@ def measure(
         os.sched_setaffinity(0, allowed)
         sender.close()  # the receiver stops at EOF if sending failed
         os.waitpid(child, 0)
-        cpu_text, intact = os.read(read_end, 100).decode().split()
-        for fd in (read_end, write_end, *(pipe or ())):
+        report = os.read(read_end, 100).decode().split()
+        for fd in (read_end, *(pipe or ())):
             os.close(fd)
-    if intact != "True":
-        raise RuntimeError("the receiver got other bytes than were sent")
-    receive_cpu = float(cpu_text)
+    if report[1:] != ["True"]:
+        raise RuntimeError(f"the receiver got other bytes than were sent ({report or 'it died'})")
+    receive_cpu = float(report[0])
     mib = TOTAL * rounds / MIB
     return (
         f"{'splice' if splice else 'send'} {piece >> 10:5d} KiB, socket buffers {socket_buffer >> 10 or 'default':>7}: "
