@@ -29,11 +29,12 @@ step rdma-jobs "${PYTEST[@]}" tests/rdma
 if [ "${RDMA_VM_QUICK:-0}" != 1 ]; then
     # Code runs 10-30x slower in the guest, and CI has 30 minutes in all, so the guest runs the
     # suites' ibverbs-specific share; the host runs every case of them over TCP.
-    # Property: N=2 (one round of recursive doubling, one ring step) and the segmented ring on
-    # 3 ranks; tests/rdma runs halving-doubling on 4 ranks against numpy (4 ranks cost ~12 s
-    # per property here).
+    # Property: N=2 (one round of recursive doubling, one ring step). tests/rdma already runs
+    # the segmented ring on 2 and 3 ranks and halving-doubling on 4 against numpy (4 ranks cost
+    # ~12 s per property here); the 3-rank ring's properties were dropped here when the whole
+    # CI run took 28.4 of its 30 minutes on a slower host (the guest alone 908 s).
     step property env RINGCORE_TRANSPORT=ibverbs RINGCORE_TEST_EXAMPLES=2 \
-        "${PYTEST[@]}" tests/property -k "n2 or ring3"
+        "${PYTEST[@]}" tests/property -k "n2"
     # Failures: the paths where the transport matters (a mismatch found mid-data, a peer that
     # exits, dies before, or stops; a failed call leaving the buffer alone; re-init). Plain
     # mismatches and kill -9 over ibverbs are in tests/rdma.
