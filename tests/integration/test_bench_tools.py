@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ringcore.config import Settings
@@ -18,30 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from ab_settings import variant_settings  # noqa: E402
-
-
-def test_variant_settings_apply_only_what_they_name() -> None:
-    base = Settings.from_env({"RINGCORE_TIMEOUT": "7", "RINGCORE_SEGMENT_BYTES": "1M"})
-    both = variant_settings(base, "ATOMIC=1+SEGMENT_BYTES=2M")
-    assert both.atomic and both.segment_bytes == 2 << 20 and both.timeout == 7.0
-    assert variant_settings(base, "ATOMIC=0") == base
-
-
-@pytest.mark.timeout(120)
-def test_ab_settings_checks_and_times_every_variant() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGCORE_")}
-    script = [sys.executable, "bench/ab_settings.py", "256K", "ATOMIC=1", "ATOMIC=0+SEGMENT_BYTES=64K"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "ringcore.run", "-np", "2", *script, "--blocks", "1", "--iters", "3"],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env={**env, "RINGCORE_TIMEOUT": "60"},
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if "busbw" in line]
-    assert len(lines) == 2 and "ATOMIC=1" in lines[0] and "SEGMENT_BYTES=64K" in lines[1], proc.stdout
 
 
 def _run_bench(command: list[str], timeout: float = 100) -> subprocess.CompletedProcess[str]:
@@ -54,6 +31,24 @@ def _run_bench(command: list[str], timeout: float = 100) -> subprocess.Completed
         env={**env, "RINGCORE_TIMEOUT": "60"},
         cwd=ROOT,
     )
+
+
+def test_variant_settings_apply_only_what_they_name() -> None:
+    base = Settings.from_env({"RINGCORE_TIMEOUT": "7", "RINGCORE_SEGMENT_BYTES": "1M"})
+    both = variant_settings(base, "ATOMIC=1+SEGMENT_BYTES=2M")
+    assert both.atomic and both.segment_bytes == 2 << 20 and both.timeout == 7.0
+    assert variant_settings(base, "ATOMIC=0") == base
+
+
+@pytest.mark.timeout(120)
+def test_ab_settings_checks_and_times_every_variant() -> None:
+    script = [sys.executable, "bench/ab_settings.py", "256K", "ATOMIC=1", "ATOMIC=0+SEGMENT_BYTES=64K"]
+    proc = _run_bench(
+        [sys.executable, "-m", "ringcore.run", "-np", "2", *script, "--blocks", "1", "--iters", "3"]
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "busbw" in line]
+    assert len(lines) == 2 and "ATOMIC=1" in lines[0] and "SEGMENT_BYTES=64K" in lines[1], proc.stdout
 
 
 @pytest.mark.timeout(120)
@@ -97,3 +92,20 @@ def test_kernel_cost_moves_the_bytes_intact(splice: bool) -> None:
     line = kernel_cost.measure(256 << 10, 1 << 20, splice=splice, same_cpu=True, rounds=1)
     assert line.startswith("splice" if splice else "send") and "GiB/s" in line, line
     assert os.sched_getaffinity(0) == allowed  # the pin to one CPU is undone
+
+
+@pytest.mark.timeout(60)
+def test_kernel_cost_fails_when_the_bytes_differ(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernel_cost
+
+    pattern, sender = kernel_cost._pattern, os.getpid()
+
+    def flipped_in_the_sender() -> np.ndarray:
+        data = pattern()
+        if os.getpid() == sender:  # the forked receiver still expects the true pattern
+            data[5] ^= 1
+        return data
+
+    monkeypatch.setattr(kernel_cost, "_pattern", flipped_in_the_sender)
+    with pytest.raises(RuntimeError, match="other bytes than were sent"):
+        kernel_cost.measure(256 << 10, 0, rounds=1)
