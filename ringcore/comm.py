@@ -296,13 +296,14 @@ class Communicator:
     def _take_ticket(self, kind: str) -> tuple[int, int]:
         with self._lock:
             if self._closed:
-                raise CommunicatorClosed(
-                    f"{kind}: the communicator was shut down; call ringcore.init() again"
-                )
+                raise self._closed_error(kind)
             ticket = self._next_ticket
             self._next_ticket += 1
             seq = ticket + 1  # collectives are numbered from 1 in messages
         return ticket, seq
+
+    def _closed_error(self, kind: str) -> CommunicatorClosed:
+        return CommunicatorClosed(f"{kind}: the communicator was shut down; call ringcore.init() again")
 
     def _call(self, plan: collectives.Plan, name: str | None = None) -> Any:
         plan.name = name
@@ -347,17 +348,27 @@ class Communicator:
         ``_call`` without a plan: the same ticket, turn, checks and progress
         record as :meth:`_run_turn`, without what a small collective pays most
         for per call (planning, a Buffer, the timeline, which bound collectives
-        never have).
+        never have). :meth:`_take_ticket` and :meth:`_pass_turn` are written
+        out: every call saved here is time each rank's 4 KiB allreduce waits for.
         """
-        ticket, seq = self._take_ticket(kind)
-        self._await_turn(ticket)
+        with self._lock:
+            if self._closed:
+                raise self._closed_error(kind)
+            ticket = self._next_ticket
+            self._next_ticket = ticket + 1
+        seq = ticket + 1
+        if self._turn != ticket:
+            self._await_turn(ticket)
         self.progress.enter(seq, kind, name)
         try:
             self._check_usable(kind, seq)
             quietly(run, *args, seq)
         finally:
             self.progress.leave()
-            self._pass_turn()
+            with self._lock:  # _pass_turn
+                self._turn += 1
+                if self._abandoned or self._waiters:
+                    self._skip_abandoned()
 
     def _await_turn(self, ticket: int) -> None:
         # Only the thread whose turn it is moves _turn on, so seeing it is ours needs no lock.

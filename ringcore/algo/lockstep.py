@@ -201,7 +201,11 @@ def run_bound(
         transport.expect(seq_bits >> 32, signature)
         swap = getattr(transport, "swap", None)  # a transport's latency path (TCP's)
         exchange = getattr(transport, "exchange", None)
-        posted = {index: _post_receive(transport, steps[index], seq_bits, signature) for index in early}
+        posted = (
+            {index: _post_receive(transport, steps[index], seq_bits, signature) for index in early}
+            if early
+            else {}
+        )
         for index, (tag_bits, send, recv, reduce, final, scratch) in enumerate(steps):
             direct = scratch and index not in posted  # the latency path may read this receive
             pair = None if swap is None or not direct else swap(send, recv, seq_bits | tag_bits, signature)

@@ -66,6 +66,7 @@ log = logging.getLogger("ringcore")
 _POLLIN = select.POLLIN | select.POLLPRI
 _POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
 _ABORT_WAIT = 1.0  # seconds abort() may block per connection to get its frame out
+STAGE_BYTES = 16 * 1024  # swap: payloads up to this go out and come in joined to their header
 
 
 class _Send:
@@ -96,6 +97,7 @@ class _Conn:
         self.sends: deque[_Send] = deque()
         self.recvs: deque[tuple[Request, int]] = deque()
         self.header = bytearray(wire.HEADER_BYTES)
+        self.stage = memoryview(bytearray(wire.HEADER_BYTES + STAGE_BYTES))  # read_staged's frame
         self.header_got = 0
         self.payload_got = 0
         self.early = False  # unread data waits for a receive not yet posted
@@ -223,6 +225,36 @@ class _Conn:
             self._check_header(tag, view.nbytes, signature, view[: got + moved - wire.HEADER_BYTES])
         return got + moved
 
+    def read_staged(self, got: int, total: int, tag: int, signature: int) -> int | None:
+        """``read_frame`` for a frame of at most ``STAGE_BYTES``, read whole into ``stage``.
+
+        A plain ``recv_into`` of one buffer costs about 3 us less than
+        ``recvmsg_into`` of two (CPython builds an iovec and a result tuple),
+        and a 4 KiB copy out of ``stage`` a tenth of that. The header is
+        checked the moment it completes, from ``stage``.
+        """
+        try:
+            moved = self.sock.recv_into(self.stage[got:total])
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as err:
+            raise self.fail(f"broke the connection ({err.strerror})") from None
+        if moved == 0:
+            raise self.fail("closed the connection")
+        if got < wire.HEADER_BYTES <= got + moved:
+            head = self.stage[: wire.HEADER_BYTES]
+            self._check_header(
+                tag, total - wire.HEADER_BYTES, signature, self.stage[wire.HEADER_BYTES : got + moved], head
+            )
+        return got + moved
+
+    def unstage(self, view: memoryview, got: int) -> None:
+        """Move the first ``got`` bytes of a staged frame to where ``pump_recv`` carries on from."""
+        head = min(got, wire.HEADER_BYTES)
+        self.header[:head] = self.stage[:head]
+        if got > wire.HEADER_BYTES:
+            view[: got - wire.HEADER_BYTES] = self.stage[wire.HEADER_BYTES : got]
+
     def _read(self, view: memoryview) -> int | None:
         try:
             got = self.sock.recv_into(view)
@@ -234,12 +266,20 @@ class _Conn:
             raise self.fail("closed the connection")
         return got
 
-    def _check_header(self, tag: int, nbytes: int, signature: int, spilled: memoryview | None = None) -> None:
+    def _check_header(
+        self,
+        tag: int,
+        nbytes: int,
+        signature: int,
+        spilled: memoryview | None = None,
+        head: memoryview | None = None,
+    ) -> None:
         """Raise unless the header just read is the DATA frame expected (``tag``, ``nbytes`` bytes).
 
-        ``spilled``: payload bytes read together with the header (``pull_scratch``).
+        ``spilled``: payload bytes read together with the header (``pull_scratch``);
+        ``head``: where the header is, when not in ``self.header`` (``read_staged``).
         """
-        kind, got_tag, got_signature, got_nbytes = wire.unpack(self.header)
+        kind, got_tag, got_signature, got_nbytes = wire.unpack(self.header if head is None else head)
         if kind == wire.ABORT:
             head = bytes(spilled[:got_nbytes]) if spilled is not None else b""
             raise PeerAborted(self.peer, wire.decode_abort(head + self._read_control(got_nbytes - len(head))))
@@ -409,7 +449,10 @@ class TcpTransport:
             view = send[2]  # type: ignore[index]
             header = wire.pack(wire.DATA, tag, signature, view.nbytes)
             try:
-                moved = send_conn.sock.sendmsg([header, view])
+                if view.nbytes <= STAGE_BYTES:  # one buffer: send() costs about 1 us less than sendmsg()
+                    moved = send_conn.sock.send(header + view)
+                else:
+                    moved = send_conn.sock.sendmsg([header, view])
             except (BlockingIOError, InterruptedError):
                 moved = 0
             except OSError as err:
@@ -423,10 +466,14 @@ class TcpTransport:
             return sent, None
         view = recv[2]  # type: ignore[index]
         got, total, deadline = 0, wire.HEADER_BYTES + view.nbytes, 0.0
+        staged = view.nbytes <= STAGE_BYTES
         ready = True  # the first try reads; after a miss, poll before reading again
         while got < total:
             if ready:
-                now_got = recv_conn.read_frame(view, got, tag, signature)
+                if staged:
+                    now_got = recv_conn.read_staged(got, total, tag, signature)
+                else:
+                    now_got = recv_conn.read_frame(view, got, tag, signature)
                 if now_got is not None:
                     got = now_got
                     continue
@@ -436,6 +483,8 @@ class TcpTransport:
             if not deadline:
                 deadline = now + self.spin
             elif now > deadline:  # hand over to progress: as if posted with irecv and half read
+                if staged:
+                    recv_conn.unstage(view, got)
                 received = Request(recv[0], recv_conn.channel, tag, view)  # type: ignore[index]
                 recv_conn.header_got = min(got, wire.HEADER_BYTES)
                 recv_conn.payload_got = got - recv_conn.header_got
@@ -443,6 +492,8 @@ class TcpTransport:
                 return sent, received
             os.sched_yield()
             ready = recv_conn.readable()
+        if staged:
+            view[:] = recv_conn.stage[wire.HEADER_BYTES : total]
         recv_conn.early = False
         return sent, None
 

@@ -27,7 +27,7 @@ from ringcore.transport.base import FrameMismatch, PeerAborted, Request
 from ringcore.transport.loopback import LoopbackNetwork
 from ringcore.transport.mesh import connect_mesh, make_listener
 from ringcore.transport.rdma import DEPTH, RdmaTransport
-from ringcore.transport.tcp import needed_links
+from ringcore.transport.tcp import STAGE_BYTES, needed_links
 from tests.fake_verbs import FakeFabric
 from tests.rdma_support import DictStore, needs_rdma
 
@@ -528,6 +528,32 @@ def test_tcp_latency_paths_move_a_step_both_ways(tcp: Callable[..., list], path:
     np.testing.assert_array_equal(got[0], data[1])
     np.testing.assert_array_equal(got[1], data[0])
     assert not any(conn.sends or conn.recvs for transport in t for conn in transport.conns.values())
+
+
+@pytest.mark.parametrize("first", [0, 10, wire.HEADER_BYTES, wire.HEADER_BYTES + 100])
+@pytest.mark.parametrize("nbytes", [256, STAGE_BYTES, STAGE_BYTES + 1])
+def test_tcp_swap_hands_a_half_read_frame_to_progress(
+    tcp: Callable[..., list], first: int, nbytes: int
+) -> None:
+    """A frame cut at ``first`` bytes: swap stops spinning there, progress reads the rest into the view.
+
+    Frames up to ``STAGE_BYTES`` are read into the connection's staging
+    buffer, so the bytes already read must move to where progress resumes.
+    """
+    t = tcp(2, 1)
+    t[0].spin = 0
+    payload = np.random.default_rng(nbytes + first).integers(0, 255, nbytes, np.uint8)
+    frame = wire.pack(wire.DATA, 3, SIG, nbytes) + payload.tobytes()
+    raw = t[1].conns[(0, 0)].sock
+    raw.sendall(frame[:first])
+    time.sleep(0.05)  # the first part is in rank 0's socket before it reads
+    got = np.zeros(nbytes, np.uint8)
+    left = t[0].swap(None, (1, 0, view(got)), 3, SIG)
+    assert left is not None and left[1] is not None and not left[1].done, "the frame cannot be complete yet"
+    raw.sendall(frame[first:])
+    drive(t[0], [left[1]])
+    np.testing.assert_array_equal(got, payload)
+    assert not t[0].conns[(1, 0)].recvs
 
 
 def test_tcp_swap_refuses_busy_connections(tcp: Callable[..., list]) -> None:
