@@ -4,7 +4,7 @@ Data path. A DATA frame is a 32-byte header (``transport.wire``) and the
 segment's bytes. Sends go out with ``sendmsg([header, payload])`` straight
 from the segment's memoryview; receives read the header, check it against the
 posted receive, then ``recv_into`` the destination view. Payload bytes are
-never copied in user space and never pickled.
+never pickled, and copied in user space only on ``swap``'s small frames (below).
 
 Concurrency. There are no I/O threads: the collective's own thread calls
 ``progress()``, which pushes every connection with queued sends and pulls
@@ -21,7 +21,11 @@ Latency path. A small collective run step by step
 payload with one ``recvmsg_into`` (into scratch memory only: an unexpected
 frame is recognised after its first bytes landed). The queues stay the source
 of truth, so ``progress`` takes over wherever ``exchange`` stops. ``swap``
-does the same for one step without posting anything. While they spin they
+does the same for one step without posting anything; a frame of at most
+``STAGE_BYTES`` goes out as one buffer (``send(header + payload)``) and
+comes in whole into the connection's staging buffer (one ``recv_into``),
+then is copied to the view: per 4 KiB frame that costs about 3 us less than
+``sendmsg`` and ``recvmsg_into`` of two buffers. While they spin they
 ask ``poll`` whether the socket is readable before reading again: a read
 that finds nothing raises ``BlockingIOError``, which costs four times a
 ``poll`` of one socket, CPU a spinning rank takes from the rank it waits for
