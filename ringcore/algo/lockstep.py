@@ -67,6 +67,8 @@ from ringcore.transport.base import Request, Transport
 Key = tuple[int, int, int]  # (buffer, first element, end element)
 Frame = tuple[int, int, Key]  # (peer, channel, region)
 
+_BUFS = tuple(Buf)  # iterating an Enum class runs Python on every call
+
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
@@ -157,7 +159,7 @@ def bind(compiled: Compiled, arrays: dict[Buf, np.ndarray]) -> tuple[Bound, ...]
     small allreduce the slicing and casting of every call.
     """
 
-    by_buf = [arrays.get(buf) for buf in Buf]  # indexed by the int in a Key: no enum lookups
+    by_buf = [arrays.get(buf) for buf in _BUFS]  # indexed by the int in a Key: no enum lookups
     raw: list[memoryview | None] = [None] * len(by_buf)  # each array's bytes, cast once
 
     def view(key: Key) -> np.ndarray:
