@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from ringcore import collectives, latency
+from ringcore import bound, collectives, latency
 from ringcore.algo import lockstep
 from ringcore.algo.execute import Executor
 from ringcore.algo.lockstep import LockstepExecutor
@@ -168,11 +168,11 @@ class Communicator:
             checked = self._checked_layout(buf, op, compression)[1]
             if (
                 checked is not None
-                and (small := checked[3]) is not None
-                and small.bound
+                and (layout := checked[3]) is not None  # latency.SmallAllreduce or bound.BoundAllreduce
+                and layout.bound
                 and buf.flags.writeable
             ):
-                self._call_bound("allreduce", name, small.run, buf)
+                self._call_bound("allreduce", name, layout.run, buf)
                 return buf
         return self._call(self._allreduce_plan(buf, op, compression), name)
 
@@ -186,24 +186,27 @@ class Communicator:
         writable, validates the same, so only its :class:`Buffer` is made.
         Nothing of the caller's array is kept. A layout small enough for
         recursive doubling also keeps its steps bound to scratch
-        (:mod:`ringcore.latency`).
+        (:mod:`ringcore.latency`); a larger one that runs in place keeps its
+        schedule (:mod:`ringcore.bound`).
         """
-        if type(buf) is not np.ndarray or buf.nbytes > self.settings.small_bytes:
+        if type(buf) is not np.ndarray:
             return collectives.plan_allreduce(buf, op, compression, self.size)
         key, checked = self._checked_layout(buf, op, compression)
         if key is None:
             return collectives.plan_allreduce(buf, op, compression, self.size)
         if checked is not None and buf.flags.writeable:
-            dtype, reduce_op, comp, small = checked
+            dtype, reduce_op, comp, layout = checked
             buffer = checked_buffer(buf, dtype)
-            if small is not None:
-                return small.plan(buf, buffer)
+            if layout is not None:
+                return layout.plan(buf, buffer)
             return collectives.plan_checked_allreduce(buf, buffer, reduce_op, comp)
         buffer, reduce_op, comp = collectives.check_allreduce(buf, op, compression)
         if len(self._checked) >= _CHECKED_CACHE:
             self._checked.clear()
-        small = latency.small_allreduce(self, buffer, reduce_op, comp)
-        self._checked[key] = (buffer.dtype, reduce_op, comp, small)
+        layout = latency.small_allreduce(self, buffer, reduce_op, comp) or bound.bound_allreduce(
+            self, buffer, reduce_op, comp
+        )
+        self._checked[key] = (buffer.dtype, reduce_op, comp, layout)
         return collectives.plan_checked_allreduce(buf, buffer, reduce_op, comp)
 
     def _checked_layout(
@@ -455,11 +458,15 @@ class Communicator:
         making them than moving its bytes); they are dropped whenever a pool
         grows, so no view keeps an outgrown pool alive.
         """
-        key = (schedule.scratch, buffer.count, wire_dtype)
+        return {Buf.USER: buffer.array, **self.scratch_views(schedule.scratch, buffer.count, wire_dtype)}
+
+    def scratch_views(self, bufs: tuple[Buf, ...], count: int, wire_dtype: np.dtype) -> dict[Buf, np.ndarray]:
+        """Views of ``count`` elements of each pool in ``bufs`` (WORK always present); do not modify the dict."""
+        key = (bufs, count, wire_dtype)
         views = self._views.get(key)
         if views is None:
-            views = self._views[key] = self._make_views(schedule.scratch, buffer.count, wire_dtype)
-        return {Buf.USER: buffer.array, **views}
+            views = self._views[key] = self._make_views(bufs, count, wire_dtype)
+        return views
 
     def _make_views(self, bufs: tuple[Buf, ...], count: int, wire_dtype: np.dtype) -> dict[Buf, np.ndarray]:
         nbytes = count * wire_dtype.itemsize

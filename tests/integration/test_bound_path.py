@@ -1,0 +1,148 @@
+"""The planned-once in-place allreduce (``ringcore.bound``): results, agreement, failures.
+
+A numpy allreduce above ``RINGCORE_SMALL_BYTES`` whose layout already passed
+validation keeps its schedule and runs without planning, in place. These
+tests run it over real processes and sockets: mixed with ranks on the
+general plan in the same collective, against numpy for several dtypes and
+ops, with layouts that must keep the general plan (fp16, atomic), with a
+peer that died (every survivor names it, and the note says which elements
+may hold partial sums) and with the scratch pools growing under it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ringcore
+from ringcore.bound import BoundAllreduce
+from tests import tasks
+from tests.cluster import Cluster, qualified
+
+COUNT = 100_003  # 400 KB of float32, above the 64 KiB small limit; odd, so chunks differ in length
+CASES = [  # (dtype, op, compression, runs planned once)
+    ("float32", "sum", None, True),
+    ("float64", "avg", None, True),
+    ("int32", "max", None, True),
+    ("float32", "sum", "fp16", False),  # the wire dtype differs: not in place
+]
+ROUNDS = 5
+
+
+def _value(rank: int, round_: int, count: int, dtype: str) -> np.ndarray:
+    return ((np.arange(count) % 7) + rank + round_).astype(dtype)
+
+
+def _planned(comm: Any) -> int:
+    """How many of ``comm``'s remembered layouts run planned once."""
+    return sum(
+        1 for entry in comm._checked.values() if isinstance(entry[3], BoundAllreduce) and entry[3].bound
+    )
+
+
+def mixed_paths(comm: Any, count: int) -> dict[str, Any]:
+    """Reduce each case ROUNDS times; rank r forgets its layouts on rounds where (round + r) % 3 == 0."""
+    out: dict[str, Any] = {"results": {}, "planned": []}
+    for round_ in range(ROUNDS):
+        if (round_ + comm.rank) % 3 == 0:
+            comm._checked.clear()  # this rank takes the general plan this round, the others may not
+        for dtype, op, compression, _ in CASES:
+            x = _value(comm.rank, round_, count, dtype)
+            assert comm.allreduce(x, op=op, compression=compression) is x
+            out["results"].setdefault(f"{dtype}-{op}-{compression}", []).append(x.copy())
+        out["planned"].append(_planned(comm))
+    return out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_planned_and_general_paths_agree_and_match_numpy(size: int) -> None:
+    with Cluster(size) as cluster:
+        reports = cluster.results(mixed_paths, COUNT, timeout=120)
+    for dtype, op, compression, _ in CASES:
+        for round_ in range(ROUNDS):
+            inputs = np.stack([_value(rank, round_, COUNT, dtype) for rank in range(size)])
+            want = {"sum": inputs.sum(0), "avg": inputs.sum(0) / size, "max": inputs.max(0)}[op]
+            want = want.astype(np.float16).astype(dtype) if compression else want.astype(dtype)
+            for rank, report in enumerate(reports):
+                got = report["results"][f"{dtype}-{op}-{compression}"][round_]
+                if compression:  # fp16 on the wire rounds partial sums: each rank's as the others'
+                    np.testing.assert_allclose(got, want, rtol=1e-2, err_msg=f"rank {rank}")
+                    np.testing.assert_array_equal(
+                        got, reports[0]["results"][f"{dtype}-{op}-{compression}"][round_]
+                    )
+                else:
+                    np.testing.assert_array_equal(
+                        got, want, err_msg=f"{dtype} {op} round {round_} rank {rank}"
+                    )
+    planned = sum(1 for *_, once in CASES if once)
+    for rank, report in enumerate(reports):
+        # Rounds after one where this rank kept its layouts ran planned once, fp16 never.
+        assert max(report["planned"]) == planned, (rank, report["planned"])
+
+
+def warm_then_report(comm: Any, count: int) -> tuple[int, np.ndarray]:
+    """Three allreduces of one layout (ones, so 2, 4 and 8 at N=2); the layouts planned and the result."""
+    x = np.ones(count, np.float32)
+    for _ in range(3):
+        comm.allreduce(x)
+    return _planned(comm), x
+
+
+@pytest.mark.timeout(90)
+def test_atomic_keeps_the_general_plan() -> None:
+    """RINGCORE_ATOMIC=1 must restore the caller's buffer on failure, which only the Executor does."""
+    with Cluster(2, env={"RINGCORE_ATOMIC": "1"}) as cluster:
+        reports = cluster.results(warm_then_report, COUNT)
+    assert [planned for planned, _ in reports] == [0, 0]
+    for _, result in reports:
+        np.testing.assert_array_equal(result, np.full(COUNT, 8, np.float32))  # 1 -> 2 -> 4 -> 8
+
+
+@pytest.mark.timeout(90)
+def test_peer_dead_before_a_planned_allreduce() -> None:
+    """The layout is planned on every rank; rank 1 dies; the others fail naming it."""
+    with Cluster(3, env={"RINGCORE_TIMEOUT": "20"}) as cluster:
+        assert [planned for planned, _ in cluster.results(warm_then_report, COUNT)] == [1, 1, 1]
+        cluster.kill(1)
+        reports = cluster.run(tasks.allreduce_until_failure, COUNT, 3, ranks=[0, 2], timeout=60)
+    for rank, report in zip([0, 2], reports, strict=True):
+        assert report["error"] == qualified(ringcore.PeerFailure), (rank, report)
+        assert report["peer"] == 1 and "rank 1" in report["message"], (rank, report)
+        assert report["rounds"] == 0 and report["untouched"], (rank, report)
+        # In place, as on the general plan: the note names the elements that may hold partial sums.
+        assert tuple(report["exposed"]) == (0, COUNT), (rank, report)
+
+
+def outgrown_pool(comm: Any) -> dict[str, Any]:
+    """A planned layout must neither keep outgrown scratch alive nor use it after the pools grow."""
+    import gc
+    import weakref
+
+    x = np.full(COUNT, comm.rank + 1, np.float32)
+    for _ in range(3):
+        comm.allreduce(x)  # planned now; its scratch is the communicator's
+        x[:] = comm.rank + 1
+    pools = [weakref.ref(pool) for pool in comm._scratch.values()]
+    comm.reduce_scatter(np.ones((comm.size, 1_000_000), np.float32))  # the pools grow
+    gc.collect()
+    comm.allreduce(x)
+    return {
+        "pools": len(pools),
+        "alive": sum(ref() is not None for ref in pools),
+        "planned": _planned(comm),
+        "result": float(x[0]),
+        "exact": bool((x == x[0]).all()),
+    }
+
+
+@pytest.mark.timeout(60)
+def test_planned_layouts_follow_the_pools() -> None:
+    with Cluster(2) as cluster:
+        reports = cluster.results(outgrown_pool)
+    for report in reports:
+        assert report["pools"] > 0 and report["planned"] == 1, report
+        assert report["alive"] == 0, report
+        assert report["result"] == 3.0 and report["exact"], report
