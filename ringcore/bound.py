@@ -14,22 +14,26 @@ Theory of operation. Like :mod:`ringcore.latency`'s small layouts, a layout
 (dtype, shape, strides, op, compression) that passed validation is
 remembered by :meth:`Communicator._allreduce_plan`. When it is above the
 small limit, it gets a :class:`BoundAllreduce`. The first call's turn
-decides whether the layout qualifies and, if so, keeps the reducer, the
-schedule and its compiled steps. Later blocking calls go through
+decides whether the layout qualifies and, if so, keeps the reducer and each
+slice's bounds, schedule and compiled steps. Later blocking calls go through
 ``Communicator._call_bound``. Each one takes the communicator's scratch
 views, binds the steps to them and to the caller's array
 (:func:`ringcore.algo.lockstep.bind`), and runs them with
 :func:`ringcore.latency.run_steps`. The frames, tags and checks are the
 general plan's, so ranks on either path agree.
 
-What qualifies: a CPU buffer that fits one slice (``allreduce_slice_bytes``)
-on a world of more than one rank, with no timeline. Its schedule must run in
-lockstep (:func:`ringcore.algo.lockstep.fits`, which refuses one that writes
-the caller's buffer under ``RINGCORE_ATOMIC=1``) and in place: the wire
-dtype is the caller's, no input is copied to WORK first, and the result
-lands in the caller's buffer. That covers the one-segment ring and
+What qualifies: a CPU buffer on a world of more than one rank, with no
+timeline. Every slice's schedule (``allreduce_slice_bytes``; most layouts
+have one slice, and slices of one layout have at most two lengths) must run
+in lockstep (:func:`ringcore.algo.lockstep.fits`, which refuses one that
+writes the caller's buffer under ``RINGCORE_ATOMIC=1``) and in place: the
+wire dtype is the caller's, no input is copied to WORK first, and the result
+lands in the caller's slice. That covers the one-segment ring and
 halving-doubling at the default settings. Anything else, such as fp16
-compression, the pipelined ring or sliced buffers, keeps the general plan.
+compression or the pipelined ring, keeps the general plan. Slices run one
+after another with the general plan's tags (schedule ``part`` of the
+collective), so a failure's note says the same: which slices already hold
+the result, and which elements may hold partial sums.
 
 Scratch. A layout keeps no memory of its own. Each call takes the views of
 the communicator's pools (``Communicator.scratch_views``), which are dropped
@@ -71,14 +75,13 @@ class BoundAllreduce:
         self.details = {"dtype": buffer.dtype.name, "count": self.count, "op": op.value}
         self.details["compression"] = compression.value
         self.general = False  # planning found a schedule this path cannot run
-        self.schedule: Schedule | None = None
-        self.compiled: lockstep.Compiled | None = None
+        self.pieces: tuple[tuple[int, int, Schedule, lockstep.Compiled], ...] | None = None  # per slice
         self.reducer: Any = None
 
     @property
     def bound(self) -> bool:
         """Whether the plan is kept: calls can skip planning (``Communicator._call_bound``)."""
-        return self.compiled is not None
+        return self.pieces is not None
 
     def plan(self, obj: Any, buffer: Buffer) -> collectives.Plan:
         """The plan of one call on ``buffer`` (``obj``'s, already validated), returning ``obj``."""
@@ -86,7 +89,7 @@ class BoundAllreduce:
             return collectives.plan_checked_allreduce(obj, buffer, self.op, self.compression)
 
         def run(comm: Communicator, seq: int) -> Any:
-            if self.compiled is None and not self._plan_once():
+            if self.pieces is None and not self._plan_once():
                 general = collectives.plan_checked_allreduce(obj, buffer, self.op, self.compression)
                 return general.run(comm, seq)
             self._run_flat(buffer.array, seq)
@@ -99,47 +102,57 @@ class BoundAllreduce:
         self._run_flat(storage_view(array, self.dtype), seq)
 
     def _run_flat(self, flat: np.ndarray, seq: int) -> None:
-        """``run`` on the flat storage view (``Buffer.array``)."""
-        assert self.schedule is not None and self.compiled is not None
-        comm, schedule, compiled = self.comm, self.schedule, self.compiled
-        arrays = comm.scratch_views(schedule.scratch, self.count, self.reducer.wire_dtype)
-        arrays = {**arrays, Buf.USER: flat}
-        try:
+        """``run`` on the flat storage view (``Buffer.array``), slice by slice as the general plan."""
+        assert self.pieces is not None
+        comm, wire_dtype, atomic = self.comm, self.reducer.wire_dtype, self.comm.settings.atomic
+        for part, (start, count, schedule, compiled) in enumerate(self.pieces):
+            arrays = {
+                **comm.scratch_views(schedule.scratch, count, wire_dtype),
+                Buf.USER: flat[start : start + count],
+            }
             try:
-                steps = lockstep.bind(compiled, arrays)
-                run_steps(comm, steps, compiled.early, self.reducer, seq, self.signature)
+                try:
+                    steps = lockstep.bind(compiled, arrays)
+                    run_steps(comm, steps, compiled.early, self.reducer, seq, self.signature, part)
+                except BaseException as err:
+                    comm.fail(Descriptor("allreduce", seq, *self.fields), err)
             except BaseException as err:
-                comm.fail(Descriptor("allreduce", seq, *self.fields), err)
-        except BaseException as err:
-            exposed = self.count if collectives.writes_user(schedule) and not comm.settings.atomic else 0
-            collectives.note_failure(err, 0, exposed, self.count)
-            raise
+                exposed = count if collectives.writes_user(schedule) and not atomic else 0
+                collectives.note_failure(err, start, exposed, self.count)
+                raise
 
     def _plan_once(self) -> bool:
-        """Keep the schedule (in the turn); False, for good, when the layout does not qualify."""
-        comm, count = self.comm, self.count
+        """Keep the slices' schedules (in the turn); False, for good, when the layout does not qualify."""
+        comm = self.comm
         assert comm.transport is not None
         reducer = comm.reducer(self.dtype, self.op, self.compression)
+        if reducer.wire_dtype != self.dtype.storage:  # not in place: compression
+            self.general = True
+            return False
         itemsize = reducer.wire_dtype.itemsize
-        in_place = reducer.wire_dtype == self.dtype.storage
-        if not in_place or count > max(1, comm.allreduce_slice_bytes // itemsize):
-            self.general = True
-            return False
-        schedule = collectives.allreduce_schedule(comm, count, itemsize, in_place)
-        arrays = {**comm.scratch_views(schedule.scratch, count, reducer.wire_dtype)}
-        arrays[Buf.USER] = np.empty(0, self.dtype.storage)  # fits() only compares dtypes
-        result = schedule.result
-        if (
-            schedule.prefill_work
-            or result is None
-            or (result.buf, result.start, result.count) != (Buf.USER, 0, count)
-            or not lockstep.fits(schedule, comm.transport, arrays, comm.settings.atomic)
-        ):
-            self.general = True
-            return False
-        self.reducer, self.schedule = reducer, schedule
-        self.compiled = lockstep.compile_steps(schedule, comm.transport)
+        bounds = collectives.slice_bounds(self.count, comm.allreduce_slice_bytes, itemsize)
+        pieces = []
+        for start, count in bounds:
+            schedule = collectives.allreduce_schedule(comm, count, itemsize, True, sliced=len(bounds) > 1)
+            if not self._qualifies(schedule, count, reducer):
+                self.general = True
+                return False
+            pieces.append((start, count, schedule, lockstep.compile_steps(schedule, comm.transport)))
+        self.reducer, self.pieces = reducer, tuple(pieces)
         return True
+
+    def _qualifies(self, schedule: Schedule, count: int, reducer: Any) -> bool:
+        """Whether ``schedule`` runs in lockstep, in place, with its result in the caller's slice."""
+        comm = self.comm
+        assert comm.transport is not None
+        dtypes = {Buf.WORK: np.empty(0, reducer.wire_dtype), Buf.USER: np.empty(0, self.dtype.storage)}
+        result = schedule.result
+        return (
+            not schedule.prefill_work
+            and result is not None
+            and (result.buf, result.start, result.count) == (Buf.USER, 0, count)
+            and lockstep.fits(schedule, comm.transport, dtypes, comm.settings.atomic)  # it compares dtypes
+        )
 
 
 def bound_allreduce(

@@ -214,14 +214,22 @@ def _slices(buffer: Buffer, slice_bytes: int, wire_itemsize: int) -> list[tuple[
     needs one slice's worth. Each slice is a complete collective whose result
     is written as described in the module docstring (see :func:`failure_note`).
     """
-    limit = max(1, slice_bytes // wire_itemsize)
-    if buffer.count <= limit:
+    bounds = slice_bounds(buffer.count, slice_bytes, wire_itemsize)
+    if len(bounds) == 1:
         return [(0, buffer)]
-    per_slice = -(-buffer.count // -(-buffer.count // limit))  # equal slices: no short last one
     return [
-        (start, dataclasses.replace(buffer, array=buffer.array[start : start + per_slice]))
-        for start in range(0, buffer.count, per_slice)
+        (start, dataclasses.replace(buffer, array=buffer.array[start : start + count]))
+        for start, count in bounds
     ]
+
+
+def slice_bounds(count: int, slice_bytes: int, wire_itemsize: int) -> list[tuple[int, int]]:
+    """``(first element, count)`` of each slice of a ``count``-element buffer (see :func:`_slices`)."""
+    limit = max(1, slice_bytes // wire_itemsize)
+    if count <= limit:
+        return [(0, count)]
+    per_slice = -(-count // -(-count // limit))  # equal slices: no short last one
+    return [(start, min(per_slice, count - start)) for start in range(0, count, per_slice)]
 
 
 def writes_user(schedule: Schedule) -> bool:

@@ -182,15 +182,16 @@ def run_steps(
     reducer: Any,
     seq: int,
     signature: int,
+    part: int = 0,
 ) -> None:
-    """Run bound steps as schedule 0 of collective ``seq``, with the communicator's timeout and stall check."""
+    """Run bound steps as schedule ``part`` of collective ``seq``, with the communicator's timeout and stall check."""
     assert comm.transport is not None
     lockstep.run_bound(
         comm.transport,
         steps,
         early,
         reducer,
-        (wire.tag_seq(seq, 0) & 0xFFFFFFFF) << 32,
+        (wire.tag_seq(seq, part) & 0xFFFFFFFF) << 32,
         signature,
         comm.settings.timeout,
         comm.stall.interruption if comm.stall is not None else None,

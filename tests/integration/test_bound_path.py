@@ -1,7 +1,7 @@
 """The planned-once in-place allreduce (``ringcore.bound``): results, agreement, failures.
 
 A numpy allreduce above ``RINGCORE_SMALL_BYTES`` whose layout already passed
-validation keeps its schedule and runs without planning, in place. These
+validation keeps its schedules (one per slice) and runs without planning, in place. These
 tests run it over real processes and sockets: mixed with ranks on the
 general plan in the same collective, against numpy for several dtypes and
 ops, with layouts that must keep the general plan (fp16, atomic), with a
@@ -81,6 +81,25 @@ def test_planned_and_general_paths_agree_and_match_numpy(size: int) -> None:
     for rank, report in enumerate(reports):
         # Rounds after one where this rank kept its layouts ran planned once, fp16 never.
         assert max(report["planned"]) == planned, (rank, report["planned"])
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("size", [2, 4])
+def test_sliced_layouts_run_planned_slice_by_slice(size: int) -> None:
+    """128 KiB slices: 400 KB runs as 4 slices (3 equal ones and a shorter last), on both paths."""
+    with Cluster(size, env={"RINGCORE_SLICE_BYTES": "128K"}) as cluster:
+        reports = cluster.results(mixed_paths, COUNT, timeout=120)
+    for dtype, op, compression, once in CASES:
+        if not once:
+            continue
+        for round_ in range(ROUNDS):
+            inputs = np.stack([_value(rank, round_, COUNT, dtype) for rank in range(size)])
+            want = {"sum": inputs.sum(0), "avg": inputs.sum(0) / size, "max": inputs.max(0)}[op].astype(dtype)
+            for rank, report in enumerate(reports):
+                got = report["results"][f"{dtype}-{op}-{compression}"][round_]
+                np.testing.assert_array_equal(got, want, err_msg=f"{dtype} {op} round {round_} rank {rank}")
+    for rank, report in enumerate(reports):
+        assert max(report["planned"]) == 3, (rank, report["planned"])
 
 
 def warm_then_report(comm: Any, count: int) -> tuple[int, np.ndarray]:
