@@ -54,52 +54,26 @@ import numpy as np
 from ringcore import collectives
 from ringcore.algo import lockstep
 from ringcore.algo.steps import Buf, Schedule
-from ringcore.buffers import Buffer, storage_view
+from ringcore.buffers import Buffer
 from ringcore.descriptor import Descriptor
-from ringcore.latency import run_steps
+from ringcore.latency import KeptAllreduce, run_steps
 from ringcore.ops import Compression, ReduceOp
 
 if TYPE_CHECKING:
     from ringcore.comm import Communicator
 
 
-class BoundAllreduce:
+class BoundAllreduce(KeptAllreduce):
     """One in-place allreduce layout above the small limit; planned in its first turn."""
 
     def __init__(self, comm: Communicator, buffer: Buffer, op: ReduceOp, compression: Compression) -> None:
-        self.comm = comm
-        self.dtype, self.op, self.compression = buffer.dtype, op, compression
-        self.count = buffer.count
-        self.fields = (buffer.dtype.name, buffer.shape, op.value, None, compression.value)
-        self.signature = Descriptor("allreduce", 0, *self.fields).signature()
-        self.details = {"dtype": buffer.dtype.name, "count": self.count, "op": op.value}
-        self.details["compression"] = compression.value
-        self.general = False  # planning found a schedule this path cannot run
+        super().__init__(comm, buffer, op, compression)
         self.pieces: tuple[tuple[int, int, Schedule, lockstep.Compiled], ...] | None = None  # per slice
-        self.reducer: Any = None
 
     @property
     def bound(self) -> bool:
         """Whether the plan is kept: calls can skip planning (``Communicator._call_bound``)."""
         return self.pieces is not None
-
-    def plan(self, obj: Any, buffer: Buffer) -> collectives.Plan:
-        """The plan of one call on ``buffer`` (``obj``'s, already validated), returning ``obj``."""
-        if self.general:
-            return collectives.plan_checked_allreduce(obj, buffer, self.op, self.compression)
-
-        def run(comm: Communicator, seq: int) -> Any:
-            if self.pieces is None and not self._plan_once():
-                general = collectives.plan_checked_allreduce(obj, buffer, self.op, self.compression)
-                return general.run(comm, seq)
-            self._run_flat(buffer.array, seq)
-            return obj
-
-        return collectives.Plan("allreduce", run, nbytes=buffer.nbytes, details=self.details)
-
-    def run(self, array: np.ndarray, seq: int) -> None:
-        """Reduce the caller's ``array`` (this layout's, writable) as collective ``seq``, in its turn."""
-        self._run_flat(storage_view(array, self.dtype), seq)
 
     def _run_flat(self, flat: np.ndarray, seq: int) -> None:
         """``run`` on the flat storage view (``Buffer.array``), slice by slice as the general plan."""
@@ -121,7 +95,7 @@ class BoundAllreduce:
                 collectives.note_failure(err, start, exposed, self.count)
                 raise
 
-    def _plan_once(self) -> bool:
+    def _prepare(self) -> bool:
         """Keep the slices' schedules (in the turn); False, for good, when the layout does not qualify."""
         comm = self.comm
         assert comm.transport is not None

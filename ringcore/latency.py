@@ -61,8 +61,13 @@ if TYPE_CHECKING:
     from ringcore.comm import Communicator
 
 
-class SmallAllreduce:
-    """One small allreduce layout; bound to its schedule, scratch and frames in its first turn."""
+class KeptAllreduce:
+    """An allreduce layout that keeps what its first turn works out; calls then skip planning.
+
+    Subclasses say what they keep (:meth:`_prepare`, in the first call's turn,
+    False for good when the layout does not qualify), whether they have it
+    (``bound``) and how a call runs on it (:meth:`_run_flat`).
+    """
 
     def __init__(self, comm: Communicator, buffer: Buffer, op: ReduceOp, compression: Compression) -> None:
         self.comm = comm
@@ -72,16 +77,13 @@ class SmallAllreduce:
         self.signature = Descriptor("allreduce", 0, *self.fields).signature()
         self.details = {"dtype": buffer.dtype.name, "count": self.count, "op": op.value}
         self.details["compression"] = compression.value
-        self.general = False  # binding found a schedule this path cannot run
-        self.steps: tuple[lockstep.Bound, ...] | None = None
-        self.early: tuple[int, ...] = ()
+        self.general = False  # the first turn found a schedule this path cannot run
         self.reducer: Any = None
-        self.work = np.empty(0)
 
     @property
     def bound(self) -> bool:
-        """Whether the steps are bound: calls can skip planning (``Communicator._call_bound``)."""
-        return self.steps is not None
+        """Whether the layout's plan is kept: calls can skip planning (``Communicator._call_bound``)."""
+        raise NotImplementedError
 
     def plan(self, obj: Any, buffer: Buffer) -> collectives.Plan:
         """The plan of one call on ``buffer`` (``obj``'s, already validated), returning ``obj``."""
@@ -89,7 +91,7 @@ class SmallAllreduce:
             return collectives.plan_checked_allreduce(obj, buffer, self.op, self.compression)
 
         def run(comm: Communicator, seq: int) -> Any:
-            if self.steps is None and not self._bind():
+            if not self.bound and not self._prepare():
                 general = collectives.plan_checked_allreduce(obj, buffer, self.op, self.compression)
                 return general.run(comm, seq)
             self._run_flat(buffer.array, seq)
@@ -102,6 +104,27 @@ class SmallAllreduce:
         self._run_flat(storage_view(array, self.dtype), seq)
 
     def _run_flat(self, array: np.ndarray, seq: int) -> None:
+        raise NotImplementedError
+
+    def _prepare(self) -> bool:
+        raise NotImplementedError
+
+
+class SmallAllreduce(KeptAllreduce):
+    """One small allreduce layout; bound to its schedule, scratch and frames in its first turn."""
+
+    def __init__(self, comm: Communicator, buffer: Buffer, op: ReduceOp, compression: Compression) -> None:
+        super().__init__(comm, buffer, op, compression)
+        self.steps: tuple[lockstep.Bound, ...] | None = None
+        self.early: tuple[int, ...] = ()
+        self.work = np.empty(0)
+
+    @property
+    def bound(self) -> bool:
+        """Whether the steps are bound: calls can skip planning (``Communicator._call_bound``)."""
+        return self.steps is not None
+
+    def _run_flat(self, array: np.ndarray, seq: int) -> None:
         """``run`` on the flat storage view (``Buffer.array``); the caller's memory is written only on success."""
         assert self.steps is not None
         comm, reducer = self.comm, self.reducer
@@ -112,7 +135,7 @@ class SmallAllreduce:
             comm.fail(Descriptor("allreduce", seq, *self.fields), err)
         reducer.convert(array, self.work)
 
-    def _bind(self) -> bool:
+    def _prepare(self) -> bool:
         """Bind the schedule to scratch (in the turn); False, for good, when it does not qualify."""
         comm, count = self.comm, self.count
         assert comm.transport is not None

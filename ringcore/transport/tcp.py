@@ -237,14 +237,9 @@ class _Conn:
         and a 4 KiB copy out of ``stage`` a tenth of that. The header is
         checked the moment it completes, from ``stage``.
         """
-        try:
-            moved = self.sock.recv_into(self.stage[got:total])
-        except (BlockingIOError, InterruptedError):
+        moved = self._read(self.stage[got:total])
+        if moved is None:
             return None
-        except OSError as err:
-            raise self.fail(f"broke the connection ({err.strerror})") from None
-        if moved == 0:
-            raise self.fail("closed the connection")
         if got < wire.HEADER_BYTES <= got + moved:
             head = self.stage[: wire.HEADER_BYTES]
             self._check_header(
