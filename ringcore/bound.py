@@ -56,7 +56,7 @@ from ringcore.algo import lockstep
 from ringcore.algo.steps import Buf, Schedule
 from ringcore.buffers import Buffer
 from ringcore.descriptor import Descriptor
-from ringcore.latency import KeptAllreduce, run_steps
+from ringcore.latency import KeptAllreduce, can_keep, run_steps
 from ringcore.ops import Compression, ReduceOp
 
 if TYPE_CHECKING:
@@ -133,12 +133,6 @@ def bound_allreduce(
     comm: Communicator, buffer: Buffer, op: ReduceOp, compression: Compression
 ) -> BoundAllreduce | None:
     """A :class:`BoundAllreduce` for ``buffer``'s layout, or None where the general path must run."""
-    if (
-        comm.size < 2
-        or comm.transport is None
-        or comm.timeline is not None
-        or buffer.device != "cpu"
-        or buffer.nbytes <= comm.settings.small_bytes
-    ):
+    if not can_keep(comm, buffer) or buffer.nbytes <= comm.settings.small_bytes:
         return None
     return BoundAllreduce(comm, buffer, op, compression)

@@ -164,17 +164,16 @@ class SmallAllreduce(KeptAllreduce):
         return True
 
 
+def can_keep(comm: Communicator, buffer: Buffer) -> bool:
+    """Whether an allreduce of ``buffer``'s layout may keep its plan: a CPU buffer on a world of 2+, no timeline."""
+    return comm.size > 1 and comm.transport is not None and comm.timeline is None and buffer.device == "cpu"
+
+
 def small_allreduce(
     comm: Communicator, buffer: Buffer, op: ReduceOp, compression: Compression
 ) -> SmallAllreduce | None:
     """A :class:`SmallAllreduce` for ``buffer``'s layout, or None where the general path must run."""
-    if (
-        comm.size < 2
-        or comm.transport is None
-        or comm.timeline is not None
-        or buffer.device != "cpu"
-        or buffer.nbytes > comm.settings.small_bytes
-    ):
+    if not can_keep(comm, buffer) or buffer.nbytes > comm.settings.small_bytes:
         return None
     return SmallAllreduce(comm, buffer, op, compression)
 
