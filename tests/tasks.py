@@ -914,3 +914,25 @@ def allreduce_recording_algorithms(comm: Any, inputs: list[np.ndarray]) -> tuple
         return allreduce(comm, inputs, "sum"), picked
     finally:
         collectives.allreduce_schedule = original  # type: ignore[assignment]
+
+
+def allreduce_on_mixed_paths(
+    comm: Any, count: int, cases: list[tuple[str, str, str | None]], rounds: int, value: Any, kept: Any
+) -> dict[str, Any]:
+    """Reduce each ``(dtype, op, compression)`` case ``rounds`` times, on kept and general paths at once.
+
+    Rank r forgets its remembered layouts on rounds where (round + r) % 3 == 0,
+    so that round it plans in full while the others may run kept plans: the
+    frames must agree. ``value(rank, round, count, dtype)`` makes the input;
+    ``kept(comm)`` counts the layouts running kept plans after each round.
+    """
+    out: dict[str, Any] = {"results": {}, "kept": []}
+    for round_ in range(rounds):
+        if (round_ + comm.rank) % 3 == 0:
+            comm._checked.clear()
+        for dtype, op, compression in cases:
+            x = value(comm.rank, round_, count, dtype)
+            assert comm.allreduce(x, op=op, compression=compression) is x
+            out["results"].setdefault(f"{dtype}-{op}-{compression}", []).append(x.copy())
+        out["kept"].append(kept(comm))
+    return out

@@ -43,17 +43,9 @@ def _planned(comm: Any) -> int:
 
 
 def mixed_paths(comm: Any, count: int) -> dict[str, Any]:
-    """Reduce each case ROUNDS times; rank r forgets its layouts on rounds where (round + r) % 3 == 0."""
-    out: dict[str, Any] = {"results": {}, "planned": []}
-    for round_ in range(ROUNDS):
-        if (round_ + comm.rank) % 3 == 0:
-            comm._checked.clear()  # this rank takes the general plan this round, the others may not
-        for dtype, op, compression, _ in CASES:
-            x = _value(comm.rank, round_, count, dtype)
-            assert comm.allreduce(x, op=op, compression=compression) is x
-            out["results"].setdefault(f"{dtype}-{op}-{compression}", []).append(x.copy())
-        out["planned"].append(_planned(comm))
-    return out
+    """Each case ROUNDS times, ranks switching between the planned and the general path."""
+    cases = [(dtype, op, compression) for dtype, op, compression, _ in CASES]
+    return tasks.allreduce_on_mixed_paths(comm, count, cases, ROUNDS, _value, _planned)
 
 
 @pytest.mark.timeout(150)
@@ -80,7 +72,7 @@ def test_planned_and_general_paths_agree_and_match_numpy(size: int) -> None:
     planned = sum(1 for *_, once in CASES if once)
     for rank, report in enumerate(reports):
         # Rounds after one where this rank kept its layouts ran planned once, fp16 never.
-        assert max(report["planned"]) == planned, (rank, report["planned"])
+        assert max(report["kept"]) == planned, (rank, report["kept"])
 
 
 @pytest.mark.timeout(150)
@@ -99,7 +91,7 @@ def test_sliced_layouts_run_planned_slice_by_slice(size: int) -> None:
                 got = report["results"][f"{dtype}-{op}-{compression}"][round_]
                 np.testing.assert_array_equal(got, want, err_msg=f"{dtype} {op} round {round_} rank {rank}")
     for rank, report in enumerate(reports):
-        assert max(report["planned"]) == 3, (rank, report["planned"])
+        assert max(report["kept"]) == 3, (rank, report["kept"])
 
 
 def warm_then_report(comm: Any, count: int) -> tuple[int, np.ndarray]:

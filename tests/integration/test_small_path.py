@@ -54,17 +54,8 @@ def _bound(comm: Any) -> int:
 
 
 def mixed_paths(comm: Any, count: int) -> dict[str, Any]:
-    """Reduce each case ROUNDS times; rank r forgets its layouts on rounds where (round + r) % 3 == 0."""
-    out: dict[str, Any] = {"results": {}, "bound": []}
-    for round_ in range(ROUNDS):
-        if (round_ + comm.rank) % 3 == 0:
-            comm._checked.clear()  # this rank takes the general path this round, the others may not
-        for dtype, op, compression in CASES:
-            x = _value(comm.rank, round_, count, dtype)
-            assert comm.allreduce(x, op=op, compression=compression) is x
-            out["results"].setdefault(f"{dtype}-{op}-{compression}", []).append(x.copy())
-        out["bound"].append(_bound(comm))
-    return out
+    """Each case ROUNDS times, ranks switching between the bound and the general path."""
+    return tasks.allreduce_on_mixed_paths(comm, count, CASES, ROUNDS, _value, _bound)
 
 
 @pytest.mark.timeout(120)
@@ -89,7 +80,7 @@ def test_bound_and_general_paths_agree_and_match_numpy(size: int) -> None:
                 )
     for rank, report in enumerate(reports):
         # Rounds after one where this rank kept its layouts ran on bound steps.
-        assert max(report["bound"]) == len(CASES), (rank, report["bound"])
+        assert max(report["kept"]) == len(CASES), (rank, report["kept"])
 
 
 def warm_then_report(comm: Any, count: int) -> int:
