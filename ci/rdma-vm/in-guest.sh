@@ -6,7 +6,7 @@ PY="$1"
 BIN="$(dirname "$PY")"
 OUT="${RINGCORE_RDMA_OUT:?}"
 export PATH="$BIN:$PATH" PYTHONDONTWRITEBYTECODE=1
-PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rs)
+PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rs --durations=5)  # durations: where CI time goes
 rc=0
 : > "$OUT/summary.txt"
 
@@ -28,18 +28,16 @@ step conformance "${PYTEST[@]}" tests/conformance -k ibverbs
 step rdma-jobs "${PYTEST[@]}" tests/rdma
 if [ "${RDMA_VM_QUICK:-0}" != 1 ]; then
     # Code runs 10-30x slower in the guest, and CI has 30 minutes in all, so the guest runs the
-    # suites' ibverbs-specific share; the host runs every case of them over TCP.
-    # Property: N=2 (one round of recursive doubling, one ring step). tests/rdma already runs
-    # the segmented ring on 2 and 3 ranks and halving-doubling on 4 against numpy (4 ranks cost
-    # ~12 s per property here); the 3-rank ring's properties were dropped here when the whole
-    # CI run took 28.4 of its 30 minutes on a slower host (the guest alone 908 s).
-    step property env RINGCORE_TRANSPORT=ibverbs RINGCORE_TEST_EXAMPLES=2 \
-        "${PYTEST[@]}" tests/property -k "n2"
-    # Failures: the paths where the transport matters (a mismatch found mid-data, a peer that
-    # exits, dies before, or stops; a failed call leaving the buffer alone; re-init). Plain
-    # mismatches and kill -9 over ibverbs are in tests/rdma.
+    # suites' ibverbs-specific share; the host runs every case of them over TCP. tests/rdma
+    # already checks the segmented ring on 2 and 3 ranks and halving-doubling on 4 against
+    # numpy. The property suite's ibverbs run (N=2, 105 s) was dropped on 4 Dec when a CI run
+    # took 1835 s of its 1800: its shapes, dtypes and ops exercise the algorithm layer, which
+    # is the same over every transport, and the host runs all of them over TCP.
+    # Failures: the paths where the transport matters (a mismatch found mid-data, a peer dead
+    # before the collective or stopped in it, a failed call leaving the buffer alone, re-init
+    # releasing the verbs resources). Plain mismatches and kill -9 over ibverbs are in tests/rdma.
     step failures env RINGCORE_TRANSPORT=ibverbs "${PYTEST[@]}" tests/integration/test_failures.py \
-        -k "late_odd_rank or untouched or exiting_during_barrier_fails_the_others[3-2] or dead_before or stopped_rank or repeated_init"
+        -k "late_odd_rank or untouched or dead_before or stopped_rank or repeated_init"
     step bench-ibverbs env RINGCORE_TRANSPORT=ibverbs \
         ringcore-bench --np 2 -b 64K -e 1M -f 16 -n 5 -w 2 -c 1 --json "$OUT/bench-ibverbs.json"
 fi

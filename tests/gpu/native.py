@@ -75,15 +75,20 @@ def host_library() -> dict[str, ctypes._CFuncPtr]:
     return {name: getattr(handle, f"k{i}") for i, name in enumerate(names)}
 
 
-def nvcc_compile(arch: str, names: tuple[str, ...], out: pathlib.Path) -> subprocess.CompletedProcess[str]:
-    """Compile the kernels ``names`` for ``arch`` (e.g. ``sm_90``) into a cubin at ``out``."""
+def nvcc_compile(
+    arch: str, names: tuple[str, ...], out: pathlib.Path, extra: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """Compile the kernels ``names`` for ``arch`` (e.g. ``sm_90``) into a cubin at ``out``.
+
+    ``extra`` options follow ringcore's own (e.g. ``--keep`` to keep the PTX beside ``out``).
+    """
     compiler = nvcc()
     if compiler is None:
         raise FileNotFoundError("nvcc")
     src = out.with_suffix(".cu")
     src.write_text(cuda_source.source() + cuda_source.explicit_instantiations(names))
     options = [opt.replace("--fmad", "-fmad") for opt in cuda_source.COMPILE_OPTIONS]
-    cmd = [compiler, "-cubin", f"-arch={arch}", *options, "-o", str(out), str(src)]
+    cmd = [compiler, "-cubin", f"-arch={arch}", *options, *extra, "-o", str(out), str(src)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 

@@ -16,17 +16,35 @@ import pytest
 from ringcore.kernels import cuda_source
 from tests.gpu import native
 
+_NVCC_BUILDS: dict[str, tuple[subprocess.CompletedProcess[str], pathlib.Path]] = {}
+
+
+def _nvcc_build(
+    arch: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess[str], pathlib.Path]:
+    """nvcc's cubin of every kernel for ``arch``, built once per session, with its PTX kept.
+
+    ``-ftz=true`` as CuPy passes it at run time; the PTX lands beside the cubin
+    (``reduce-<arch>.ptx``), so the subnormal check reads it without a second build.
+    """
+    if arch not in _NVCC_BUILDS:
+        out = tmp_path_factory.mktemp(f"nvcc-{arch}") / f"reduce-{arch}.cubin"
+        extra = ("-ftz=true", "--keep", f"--keep-dir={out.parent}")
+        names = cuda_source.all_instantiations()
+        _NVCC_BUILDS[arch] = (native.nvcc_compile(arch, names, out, extra), out)
+    return _NVCC_BUILDS[arch]
+
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_every_kernel_compiles(arch: str, tmp_path: pathlib.Path) -> None:
+def test_every_kernel_compiles(arch: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     names = cuda_source.all_instantiations()
     compilers = []
     if native.nvcc() is not None:
         compilers.append("nvcc")
-        result = native.nvcc_compile(arch, names, tmp_path / f"reduce-{arch}.cubin")
+        result, cubin_path = _nvcc_build(arch, tmp_path_factory)
         assert result.returncode == 0, f"nvcc failed for {arch}:\n{result.stderr[-4000:]}"
-        assert (tmp_path / f"reduce-{arch}.cubin").stat().st_size > 0
+        assert cubin_path.stat().st_size > 0
     if native.nvrtc_unavailable() is None:
         compilers.append("nvrtc")
         cubin, lowered = native.nvrtc_compile(arch, names)
@@ -47,30 +65,15 @@ def test_instantiations_cover_every_collective() -> None:
     assert all(name.count("<") == 1 for name in names)
 
 
-@pytest.mark.timeout(600)
-def test_kernels_never_flush_subnormals(tmp_path: pathlib.Path) -> None:
+@pytest.mark.timeout(900)
+def test_kernels_never_flush_subnormals(tmp_path_factory: pytest.TempPathFactory) -> None:
     """CuPy compiles with -ftz=true; the kernels must still keep subnormals, as numpy does."""
     if native.nvcc() is None:
         pytest.skip("no nvcc to read the kernels' PTX")
-    src = tmp_path / "reduce.cu"
-    src.write_text(
-        cuda_source.source() + cuda_source.explicit_instantiations(cuda_source.all_instantiations())
-    )
-    ptx = tmp_path / "reduce.ptx"
-    cmd = [
-        native.nvcc(),
-        "-ptx",
-        "-arch=sm_90",
-        "-std=c++17",
-        "-fmad=false",
-        "-ftz=true",
-        "-o",
-        str(ptx),
-        str(src),
-    ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    result, cubin_path = _nvcc_build("sm_90", tmp_path_factory)
     assert result.returncode == 0, result.stderr[-4000:]
-    flushing = [line.strip() for line in ptx.read_text().splitlines() if ".ftz" in line]
+    lines = [line.strip() for line in cubin_path.with_suffix(".ptx").read_text().splitlines()]
+    flushing = [line for line in lines if ".ftz" in line]
     assert not flushing, f"{len(flushing)} instructions flush subnormals, e.g. {flushing[:5]}"
-    fused = [line.strip() for line in ptx.read_text().splitlines() if line.strip().startswith("fma.")]
+    fused = [line for line in lines if line.startswith("fma.")]
     assert not fused, f"fused multiply-adds: {fused[:5]}"
