@@ -54,7 +54,7 @@ log = logging.getLogger("ringcore")
 
 _EXPLAIN_WAIT = 10.0
 _VIEW_CACHE = 64  # (scratch buffers, count, dtype) combinations whose views are kept
-_CHECKED_CACHE = 64  # array layouts whose validation is remembered (Communicator._allreduce_plan)
+_CHECKED_CACHE = 4096  # array layouts whose validation is remembered (Communicator._allreduce_plan)
 
 
 class Handle:

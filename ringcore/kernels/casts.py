@@ -29,12 +29,20 @@ import numpy as np
 
 _PAIRS = {(np.dtype(np.float16), np.dtype(np.float32)), (np.dtype(np.float32), np.dtype(np.float16))}
 _PIECE = 16384  # elements: torch runs smaller copies on the calling thread
-BORROW_TORCH = os.environ.get("RINGCORE_TORCH_CASTS", "1").strip().lower() not in ("0", "false", "no", "off")
+BORROW_TORCH: bool | None = None  # RINGCORE_TORCH_CASTS, read at the first cast (after ringcore.init's env)
+
+
+def _borrowing() -> bool:
+    global BORROW_TORCH
+    if BORROW_TORCH is None:
+        setting = os.environ.get("RINGCORE_TORCH_CASTS", "1").strip().lower()
+        BORROW_TORCH = setting not in ("0", "false", "no", "off")
+    return BORROW_TORCH
 
 
 def cast(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` rounded to ``dst``'s dtype (same shape, contiguous)."""
-    torch = sys.modules.get("torch") if BORROW_TORCH else None
+    torch = sys.modules.get("torch") if _borrowing() else None
     if torch is not None and (dst.dtype, src.dtype) in _PAIRS and src.flags.writeable and dst.size:
         for to, source in zip(
             torch.from_numpy(dst).split(_PIECE), torch.from_numpy(src).split(_PIECE), strict=True
@@ -46,4 +54,4 @@ def cast(dst: np.ndarray, src: np.ndarray) -> None:
 
 def borrows_torch() -> bool:
     """Whether :func:`cast` uses torch's conversions in this process right now."""
-    return BORROW_TORCH and "torch" in sys.modules
+    return _borrowing() and "torch" in sys.modules

@@ -157,3 +157,37 @@ def test_planned_layouts_follow_the_pools() -> None:
         assert report["pools"] > 0 and report["planned"] == 1, report
         assert report["alive"] == 0, report
         assert report["result"] == 3.0 and report["exact"], report
+
+
+LAYOUTS = 300  # distinct shapes, as a model reduced tensor by tensor (Horovod-style) has
+
+
+def many_layouts(comm: Any) -> dict[str, Any]:
+    """Three passes over LAYOUTS arrays of distinct shapes, small and above the small limit."""
+    counts = [17 + 3 * i if i % 10 else 20_000 + i for i in range(LAYOUTS)]
+    out: dict[str, Any] = {"sums": [], "kept": []}
+    for pass_ in range(3):
+        sums = []
+        for i, count in enumerate(counts):
+            buf = comm.allreduce(_value(comm.rank, pass_ + i, count, "float32"))
+            sums.append(float(buf.sum(dtype=np.float64)))
+        out["sums"].append(sums)
+        out["kept"].append(sum(1 for entry in comm._checked.values() if entry[3] is not None and entry[3].bound))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_hundreds_of_layouts_stay_planned() -> None:
+    """A model's worth of distinct layouts is remembered: the later passes plan nothing."""
+    with Cluster(2) as cluster:
+        reports = cluster.results(many_layouts, timeout=100)
+    counts = [17 + 3 * i if i % 10 else 20_000 + i for i in range(LAYOUTS)]
+    for pass_ in range(3):
+        want = [
+            float(sum(_value(r, pass_ + i, count, "float32").sum(dtype=np.float64) for r in range(2)))
+            for i, count in enumerate(counts)
+        ]
+        for report in reports:
+            assert report["sums"][pass_] == want
+    for report in reports:
+        assert report["kept"][1:] == [LAYOUTS, LAYOUTS], report["kept"]
