@@ -172,7 +172,9 @@ def many_layouts(comm: Any) -> dict[str, Any]:
             buf = comm.allreduce(_value(comm.rank, pass_ + i, count, "float32"))
             sums.append(float(buf.sum(dtype=np.float64)))
         out["sums"].append(sums)
-        out["kept"].append(sum(1 for entry in comm._checked.values() if entry[3] is not None and entry[3].bound))
+        out["kept"].append(
+            sum(1 for entry in comm._checked.values() if entry[3] is not None and entry[3].bound)
+        )
     return out
 
 
