@@ -27,17 +27,18 @@ ibv_devinfo -d rxe0 | grep -E 'state|active_mtu' || true
 step conformance "${PYTEST[@]}" tests/conformance -k ibverbs
 step rdma-jobs "${PYTEST[@]}" tests/rdma
 if [ "${RDMA_VM_QUICK:-0}" != 1 ]; then
-    # Code runs 10-30x slower in the guest, and CI has 30 minutes in all, so the guest runs the
-    # suites' ibverbs-specific share; the host runs every case of them over TCP. tests/rdma
-    # already checks the segmented ring on 2 and 3 ranks and halving-doubling on 4 against
-    # numpy. The property suite's ibverbs run (N=2, 105 s) was dropped on 4 Dec when a CI run
-    # took 1835 s of its 1800: its shapes, dtypes and ops exercise the algorithm layer, which
-    # is the same over every transport, and the host runs all of them over TCP.
-    # Failures: the paths where the transport matters (a mismatch found mid-data, a peer dead
-    # before the collective or stopped in it, a failed call leaving the buffer alone, re-init
-    # releasing the verbs resources). Plain mismatches and kill -9 over ibverbs are in tests/rdma.
+    # Code runs 10-30x slower in the guest, so the guest runs the suites' ibverbs-specific
+    # share; the host runs every case of them over TCP. Ranks fork from a preloaded server
+    # (tests/cluster.py), so a test no longer pays 10-30 s of imports per rank here.
+    # Property: N=2 (one round of recursive doubling, one ring step); tests/rdma runs the
+    # segmented ring on 2 and 3 ranks and halving-doubling on 4 against numpy.
+    step property env RINGCORE_TRANSPORT=ibverbs RINGCORE_TEST_EXAMPLES=2 \
+        "${PYTEST[@]}" tests/property -k "n2"
+    # Failures: the paths where the transport matters (a mismatch found mid-data, a peer that
+    # exits, dies before, or stops; a failed call leaving the buffer alone; re-init). Plain
+    # mismatches and kill -9 over ibverbs are in tests/rdma.
     step failures env RINGCORE_TRANSPORT=ibverbs "${PYTEST[@]}" tests/integration/test_failures.py \
-        -k "late_odd_rank or untouched or dead_before or stopped_rank or repeated_init"
+        -k "late_odd_rank or untouched or exiting_during_barrier_fails_the_others[3-2] or dead_before or stopped_rank or repeated_init"
     step bench-ibverbs env RINGCORE_TRANSPORT=ibverbs \
         ringcore-bench --np 2 -b 64K -e 1M -f 16 -n 5 -w 2 -c 1 --json "$OUT/bench-ibverbs.json"
 fi
