@@ -55,7 +55,7 @@ class Settings:
     small_bytes: int = 64 * KIB
     halving_bytes: int = 4 * MIB  # halving-doubling up to this on 4+ ranks; 0: never
     slice_bytes: int | None = None  # None: auto (see allreduce_slice_bytes)
-    socket_buffer: int = 0  # SO_SNDBUF/SO_RCVBUF; 0 leaves them to the kernel's autotuning (see README)
+    socket_buffer: int = 4 * MIB  # SO_SNDBUF/SO_RCVBUF; 0 leaves them to the kernel's autotuning (see README)
     atomic: bool = False  # a failed in-place allreduce restores the caller's buffer (one extra copy)
     spin_us: int | None = None  # busy-poll before sleeping; None: auto (see spin_seconds)
     log_level: str = "WARNING"

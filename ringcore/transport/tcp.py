@@ -12,9 +12,9 @@ every connection with posted receives until the kernel says ``EAGAIN``, then
 keeps trying for ``spin`` seconds (waking a sleeping peer costs more than a
 small allreduce), calling ``sched_yield`` between tries, and only then sleeps
 in ``poll``. Sends and receives therefore interleave (no deadlock when socket
-buffers fill), and the kernel keeps moving bytes while the thread is reducing
-a segment. Socket buffers are left to the kernel's autotuning, which grows
-them to the path's needs (``RINGCORE_SOCKET_BUFFER`` fixes them instead).
+buffers fill), and large socket buffers (``RINGCORE_SOCKET_BUFFER``; 0 leaves
+them to the kernel's autotuning) let the kernel keep moving bytes while the
+thread is reducing a segment.
 
 Latency path. A small collective run step by step
 (:mod:`ringcore.algo.lockstep`) waits on one send and one receive at a time;
