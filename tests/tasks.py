@@ -936,3 +936,11 @@ def allreduce_on_mixed_paths(
             out["results"].setdefault(f"{dtype}-{op}-{compression}", []).append(x.copy())
         out["kept"].append(kept(comm))
     return out
+
+
+def kept_layouts(comm: Any, kind: type | None = None) -> int:
+    """How many of ``comm``'s remembered layouts keep their plan (of class ``kind``, any when None)."""
+    from ringcore.latency import KeptAllreduce
+
+    kind = kind or KeptAllreduce
+    return sum(1 for entry in comm._checked.values() if isinstance(entry[3], kind) and entry[3].bound)

@@ -37,9 +37,7 @@ def _value(rank: int, round_: int, count: int, dtype: str) -> np.ndarray:
 
 def _planned(comm: Any) -> int:
     """How many of ``comm``'s remembered layouts run planned once."""
-    return sum(
-        1 for entry in comm._checked.values() if isinstance(entry[3], BoundAllreduce) and entry[3].bound
-    )
+    return tasks.kept_layouts(comm, BoundAllreduce)
 
 
 def mixed_paths(comm: Any, count: int) -> dict[str, Any]:
@@ -174,9 +172,7 @@ def many_layouts(comm: Any) -> dict[str, Any]:
             if not np.array_equal(buf, want):
                 wrong.append(count)
         out["wrong"].append(wrong)
-        out["kept"].append(
-            sum(1 for entry in comm._checked.values() if entry[3] is not None and entry[3].bound)
-        )
+        out["kept"].append(tasks.kept_layouts(comm))
     return out
 
 

@@ -46,11 +46,7 @@ def _value(rank: int, round_: int, count: int, dtype: str) -> np.ndarray:
 
 def _bound(comm: Any) -> int:
     """How many of ``comm``'s remembered layouts run on bound steps."""
-    return sum(
-        1
-        for entry in comm._checked.values()
-        if isinstance(entry[3], SmallAllreduce) and entry[3].steps is not None
-    )
+    return tasks.kept_layouts(comm, SmallAllreduce)
 
 
 def mixed_paths(comm: Any, count: int) -> dict[str, Any]:
