@@ -2,7 +2,7 @@
 # Run ringcore's RDMA suite for real: boot one QEMU guest with Soft-RoCE (rdma_rxe) and
 # run every ibverbs test and the ibverbs-vs-TCP benchmark in it (see ci/rdma-vm/README.md).
 #
-#   bash ci/rdma-vm/run-tests.sh            # from the repository root; 6-8 min on 2 cores
+#   bash ci/rdma-vm/run-tests.sh            # from the repository root; 6-12 min on 2 cores
 #
 # Env: RDMA_VM_BUILD     writable folder for the kernel, initramfs and venv (default: .rdma-vm)
 #      RDMA_VM_TIMEOUT   seconds the guest may run (default 1500)
