@@ -22,6 +22,9 @@ Receives are posted ahead, so the kernel can land segment k+1 while this
 thread combines segment k and sends it on. All waiting happens in
 ``transport.progress``; when nothing has moved for ``timeout`` seconds the run
 raises :class:`~ringcore.errors.CollectiveTimeout` naming what it waits for.
+A rank that could not run for longer than ``timeout`` (stopped, starved) and
+then finds a peer gone raises the timeout too (:func:`overslept`): its peers
+gave up on it, so the peer that closed is not the cause.
 
 Compression: a send from USER when the wire dtype differs first converts the
 segment into the same region of WORK (which is in the wire dtype).
@@ -53,7 +56,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ringcore.algo.steps import Buf, Region, Schedule, Step
-from ringcore.errors import CollectiveTimeout
+from ringcore.errors import CollectiveTimeout, PeerFailure
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.timeline import Timeline
 from ringcore.transport import wire
@@ -260,17 +263,22 @@ class Executor:
         self.transport.expect(self.seq_bits >> 32, self.signature)
         last_moved = time.monotonic()
         while True:
-            busy = self._post_sends() | self._post_recvs() | self._complete()
-            if not self.outstanding:
-                if self.timeline is not None:
-                    self._record()
-                return
-            if busy or self.timeline is None:
-                moved = self.transport.progress(0.0 if busy else 0.5)
-            else:
-                before = Timeline.now_us()
-                moved = self.transport.progress(0.5)
-                self.waited_us += Timeline.now_us() - before
+            try:
+                busy = self._post_sends() | self._post_recvs() | self._complete()
+                if not self.outstanding:
+                    if self.timeline is not None:
+                        self._record()
+                    return
+                if busy or self.timeline is None:
+                    moved = self.transport.progress(0.0 if busy else 0.5)
+                else:
+                    before = Timeline.now_us()
+                    moved = self.transport.progress(0.5)
+                    self.waited_us += Timeline.now_us() - before
+            except PeerFailure as err:
+                if (late := overslept(err, last_moved, self.timeout)) is not None:
+                    raise late from err
+                raise
             if busy or moved:
                 last_moved = time.monotonic()
             elif time.monotonic() - last_moved > self.timeout:
@@ -448,3 +456,19 @@ class Executor:
             if posted
         ]
         return waits + [f"send to rank {route[0]}" for route, posted in self.posted_sends.items() if posted]
+
+
+def overslept(err: PeerFailure, last_moved: float, timeout: float) -> CollectiveTimeout | None:
+    """The timeout to raise instead of ``err``, if this rank had not moved since ``last_moved`` for too long.
+
+    A rank that was stopped or starved for longer than ``timeout`` could not
+    fire its own timer; its peers timed out on it and closed, so the peer
+    whose connection is gone is not the cause. None: ``err`` stands.
+    """
+    idle = time.monotonic() - last_moved
+    if idle <= timeout:
+        return None
+    return CollectiveTimeout(
+        f"no progress for {timeout:g} s: this rank did not run for {idle:.1f} s (stopped or starved),"
+        f" so its peers gave up on it; then {err}"
+    )

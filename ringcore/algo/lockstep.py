@@ -57,9 +57,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ringcore.algo.execute import PerTransport, cached_per_transport
+from ringcore.algo.execute import PerTransport, cached_per_transport, overslept
 from ringcore.algo.steps import Buf, Region, Schedule
-from ringcore.errors import CollectiveTimeout
+from ringcore.errors import CollectiveTimeout, PeerFailure
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.transport import wire
 from ringcore.transport.base import Request, Transport
@@ -287,7 +287,13 @@ def _wait(
 ) -> None:
     last_moved = time.monotonic()
     while not ((sent is None or sent.done) and (received is None or received.done)):
-        if transport.progress(0.5):
+        try:
+            moved = transport.progress(0.5)
+        except PeerFailure as err:
+            if (late := overslept(err, last_moved, timeout)) is not None:
+                raise late from err
+            raise
+        if moved:
             last_moved = time.monotonic()
         elif time.monotonic() - last_moved > timeout:
             raise CollectiveTimeout(f"no progress for {timeout:g} s: {_pending(sent, received)}")

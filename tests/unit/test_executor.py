@@ -21,7 +21,7 @@ from ringcore.algo import halving_doubling, recursive_doubling, ring
 from ringcore.algo.execute import Executor
 from ringcore.algo.steps import Buf, Schedule, chunk_bounds
 from ringcore.buffers import DTYPES, DType
-from ringcore.errors import CollectiveTimeout
+from ringcore.errors import CollectiveTimeout, PeerFailure
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
 from ringcore.transport.loopback import LoopbackNetwork
@@ -480,3 +480,45 @@ def test_signature_mismatch_fails_the_receiver() -> None:
     assert not any(t.is_alive() for t in threads)
     assert sorted(errors) == [0, 1]
     assert all(isinstance(e, FrameMismatch) and e.field == "signature" for e in errors.values())
+
+
+class PeerGoneAfter:
+    """A transport whose progress sleeps ``nap`` seconds, then finds rank 1 gone.
+
+    With a nap longer than the executor's timeout it plays a rank that was
+    stopped (SIGSTOP, a starved host) while its peers timed out and closed.
+    """
+
+    def __init__(self, inner: object, nap: float) -> None:
+        self.inner = inner
+        self.nap = nap
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def progress(self, timeout: float) -> bool:
+        time.sleep(self.nap)
+        raise PeerFailure("rank 1 (peer:1) closed the connection", 1, "peer:1")
+
+
+def run_alone(kind: type, nap: float, timeout: float = 0.3) -> BaseException:
+    """Rank 0 of 2 runs a small allreduce over :class:`PeerGoneAfter`; returns what it raised."""
+    network = LoopbackNetwork(2)
+    reducer = Reducer(DTYPES["int32"], ReduceOp.SUM, Compression.NONE, 2)
+    schedule = recursive_doubling.allreduce(0, 2, 4, 4, 1 << 20)
+    arrays = scratch_arrays(schedule, np.ones(4, np.int32), reducer.wire_dtype, reducer)
+    transport = PeerGoneAfter(network.transport(0), nap)
+    with pytest.raises((PeerFailure, CollectiveTimeout)) as caught:
+        kind(transport, schedule, arrays, reducer, 5, SIGNATURE, timeout).run()
+    return caught.value
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_that_did_not_run_past_its_timeout_reports_the_timeout() -> None:
+    """Its peers gave up on it and closed; the closed connection is not the cause."""
+    late = run_alone(Executor, nap=0.5)
+    assert isinstance(late, CollectiveTimeout), late
+    assert "no progress for 0.3 s" in str(late) and "did not run" in str(late), late
+    assert "rank 1 (peer:1) closed the connection" in str(late), late
+    fresh = run_alone(Executor, nap=0.0)  # a peer that fails while this rank is running is the cause
+    assert isinstance(fresh, PeerFailure) and fresh.peer == 1, fresh

@@ -18,12 +18,20 @@ from ringcore.algo.execute import Executor
 from ringcore.algo.lockstep import LockstepExecutor
 from ringcore.algo.steps import Buf, Schedule
 from ringcore.buffers import DTYPES
-from ringcore.errors import CollectiveTimeout
+from ringcore.errors import CollectiveTimeout, PeerFailure
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
 from ringcore.transport.base import FrameMismatch
 from ringcore.transport.loopback import LoopbackNetwork
-from tests.unit.test_executor import RUN_TIMEOUT, SIGNATURE, int_inputs, reference, run_ranks, scratch_arrays
+from tests.unit.test_executor import (
+    RUN_TIMEOUT,
+    SIGNATURE,
+    int_inputs,
+    reference,
+    run_alone,
+    run_ranks,
+    scratch_arrays,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -176,3 +184,10 @@ def test_disagreeing_broadcast_roots_are_caught_over_rdma() -> None:
         for transport in transports:
             transport.close()
     assert isinstance(errors[1], FrameMismatch) and errors[1].field == "signature", errors
+
+
+def test_a_rank_that_did_not_run_past_its_timeout_reports_the_timeout() -> None:
+    late = run_alone(LockstepExecutor, nap=0.5)
+    assert isinstance(late, CollectiveTimeout) and "did not run" in str(late), late
+    fresh = run_alone(LockstepExecutor, nap=0.0)
+    assert isinstance(fresh, PeerFailure) and fresh.peer == 1, fresh
