@@ -202,7 +202,7 @@ class Communicator:
             return collectives.plan_checked_allreduce(buf, buffer, reduce_op, comp)
         buffer, reduce_op, comp = collectives.check_allreduce(buf, op, compression)
         if len(self._checked) >= _CHECKED_CACHE:
-            self._checked.clear()
+            del self._checked[next(iter(self._checked))]  # the least recently used (_checked_layout)
         layout = latency.small_allreduce(self, buffer, reduce_op, comp) or bound.bound_allreduce(
             self, buffer, reduce_op, comp
         )
@@ -216,13 +216,17 @@ class Communicator:
 
         ``validation`` is None for a layout not validated yet; ``key`` is None
         when ``op`` or ``compression`` is unhashable (the planner then says
-        whether it is wrong).
+        whether it is wrong). A hit moves the layout to the cache's end, so a
+        full cache forgets the layout used least recently.
         """
         key = (buf.dtype, buf.shape, buf.strides, op, compression)
         try:
-            return key, self._checked.get(key)
+            checked = self._checked.pop(key, None)
         except TypeError:
             return None, None
+        if checked is not None:
+            self._checked[key] = checked
+        return key, checked
 
     def allreduce_async(
         self, buf: Any, op: Any = "sum", compression: Any = None, name: str | None = None

@@ -184,3 +184,37 @@ def test_hundreds_of_layouts_stay_planned() -> None:
     for rank, report in enumerate(reports):
         assert report["wrong"] == [[], [], []], (rank, report["wrong"])
         assert report["kept"][1:] == [LAYOUTS, LAYOUTS], (rank, report["kept"])
+
+
+HOT = [5, 9, 300, 20_000]  # layouts reduced every step; 20_000 is above the small limit
+
+
+def hot_and_one_off_layouts(comm: Any) -> dict[str, Any]:
+    """With room for 16 layouts, 4 used every round outlive 10 new ones per round."""
+    from ringcore import comm as comm_module
+
+    comm_module._CHECKED_CACHE = 16  # this rank's process only
+    out: dict[str, Any] = {"wrong": [], "replanned": []}
+    first: dict[int, Any] = {}
+    for round_ in range(6):
+        counts = HOT + [1000 + 10 * round_ + i for i in range(10)]
+        for count in counts:
+            buf = comm.allreduce(_value(comm.rank, round_, count, "float32"))
+            want = sum(_value(rank, round_, count, "float32") for rank in range(comm.size))
+            if not np.array_equal(buf, want):
+                out["wrong"].append((round_, count))
+        layouts = {key[1][0]: entry for key, entry in comm._checked.items()}
+        for count in HOT:
+            if first.setdefault(count, layouts.get(count)) is not layouts.get(count):
+                out["replanned"].append((round_, count))
+    out["size"] = len(comm._checked)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_full_layout_cache_forgets_the_least_recently_used() -> None:
+    with Cluster(2) as cluster:
+        reports = cluster.results(hot_and_one_off_layouts)
+    for rank, report in enumerate(reports):
+        assert report["wrong"] == [], (rank, report)
+        assert report["replanned"] == [] and report["size"] == 16, (rank, report)
