@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import socket
 import threading
@@ -10,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from ringcore.bootstrap import bootstrap
+from ringcore.bootstrap import Meeting, bootstrap
 from ringcore.comm import Communicator, Handle
 from ringcore.config import Settings
 from ringcore.errors import RingcoreError
-from ringcore.rendezvous import discover
+from ringcore.rendezvous import WorldSpec, discover, listen_address
 
 _default: Communicator | None = None
 _lock = threading.Lock()
@@ -52,6 +53,34 @@ def init(
             atexit.register(shutdown)
             _atexit_registered = True
         return _default
+
+
+def new_communicator(
+    rank: int, size: int, meeting: Meeting, addr: str = "127.0.0.1", timeout: float | None = None
+) -> Communicator:
+    """A Communicator of its own (not the default) for ranks that share a store already.
+
+    For frameworks that did their own rendezvous: ``ringcore.torch``'s process
+    group passes torch.distributed's ``Store``. Rank 0 serves ringcore's store on
+    a free port of the interface that routes to ``addr`` (or ``RINGCORE_IFNAME``'s)
+    and publishes it in ``meeting``; every other rank finds it there. Call it on
+    every rank; close the result with ``shutdown()``.
+
+    Args:
+        rank, size: this rank and the world size.
+        meeting: any object with torch's ``Store`` methods ``set(key, bytes)`` and a
+            blocking ``get(key) -> bytes``.
+        addr: an address of the job's rendezvous host (e.g. ``MASTER_ADDR``).
+        timeout: seconds without progress before a collective fails (default
+            ``RINGCORE_TIMEOUT``).
+    """
+    settings = Settings.from_env()
+    if timeout is not None:
+        settings = dataclasses.replace(settings, timeout=float(timeout))
+    host = listen_address(settings, addr, 9) if rank == 0 and size > 1 else addr
+    world = WorldSpec(rank, size, None, None, host, 0, "a shared store")
+    _configure_logging(settings, rank)
+    return bootstrap(world, settings, meeting)
 
 
 def shutdown() -> None:

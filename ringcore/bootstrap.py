@@ -15,15 +15,26 @@ first collective.
 Without ``RINGCORE_SECRET`` (set per job by ringcore-run) ringcore warns once
 and runs the same protocol with an empty key, so a rank configured with a
 secret still fails fast against one without.
+
+Meeting through a store the job already has. A framework that made its own
+rendezvous (torch.distributed's ``Store``, passed to a process-group backend)
+hands it to :func:`bootstrap` as a :class:`Meeting`: rank 0 serves ringcore's
+store on a port the kernel picks and publishes ``host:port`` there, so no
+second fixed port is needed and every sub-group meets at its own store.
+Without ``RINGCORE_SECRET``, rank 0 also publishes a fresh random secret
+there: the mesh is then as private as the framework's store is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
 import socket
-from typing import Any
+from typing import Any, Protocol
+
+import msgpack
 
 from ringcore.comm import Communicator
 from ringcore.config import Settings
@@ -39,8 +50,28 @@ log = logging.getLogger("ringcore")
 _warned_no_secret = False
 
 
-def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
+class Meeting(Protocol):
+    """A key-value store every rank of the job already reaches (``torch.distributed.Store`` is one)."""
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, waiting until some rank sets it."""
+        ...
+
+
+_MEETING_KEY = "ringcore/store"
+
+
+def bootstrap(world: WorldSpec, settings: Settings, meeting: Meeting | None = None) -> Communicator:
     """Rendezvous with the other ranks and connect to them.
+
+    Args:
+        world: this rank, the world size and where rank 0 serves the store
+            (with ``meeting``: the address rank 0 listens on; others read it there).
+        settings: the job's settings.
+        meeting: a store the ranks already share, through which they find ringcore's
+            (see the module docstring); ``None``: ``world`` says where it is.
 
     Raises:
         ConfigError: ranks disagree on the world size or on a setting of ``AGREED_SETTINGS``,
@@ -49,9 +80,12 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
     """
     if world.size == 1:
         return Communicator(0, 1, 0, 1, settings, None)
-    key = _secret(settings)
     server_tls, client_tls = tls_contexts(settings.tls_cert, settings.tls_key, settings.tls_ca)
-    server = _start_server(world, key, settings, server_tls) if world.rank == 0 else None
+    if meeting is not None:
+        world, key, server = _meet(world, settings, meeting, server_tls)
+    else:
+        key = _secret(settings)
+        server = _start_server(world, key, settings, server_tls) if world.rank == 0 else None
     store = listener = device = None
     try:
         store = StoreClient(
@@ -119,6 +153,8 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
         server,
         cache_slices=where.cache_slices(tcp),
         wide_segments=where.wide_segments(tcp),
+        cross_rank=where.cross_rank,
+        cross_size=where.cross_size,
     )
     try:
         comm.confirm_world()
@@ -126,6 +162,21 @@ def bootstrap(world: WorldSpec, settings: Settings) -> Communicator:
         comm.shutdown()
         raise
     return comm
+
+
+def _meet(
+    world: WorldSpec, settings: Settings, meeting: Meeting, tls: Any
+) -> tuple[WorldSpec, bytes, StoreServer | None]:
+    """Rank 0 serves the store on a free port and publishes it in ``meeting``; the others read it."""
+    if world.rank == 0:
+        key = settings.secret if settings.secret is not None else secrets.token_hex(32).encode()
+        server = _start_server(dataclasses.replace(world, port=0), key, settings, tls)
+        shared = key if settings.secret is None else b""
+        meeting.set(_MEETING_KEY, msgpack.packb([world.addr, server.port, shared]))
+        return dataclasses.replace(world, port=server.port), key, server
+    addr, port, shared = msgpack.unpackb(meeting.get(_MEETING_KEY))
+    key = settings.secret if settings.secret is not None else bytes(shared)
+    return dataclasses.replace(world, addr=addr, port=int(port)), key, None
 
 
 def _open_rdma(store: StoreClient, world: WorldSpec, settings: Settings) -> tuple[Any, list[dict[str, Any]]]:
@@ -204,7 +255,7 @@ def _me(host: str, listener: socket.socket, world: WorldSpec, settings: Settings
         "size": world.size,
         "pid": os.getpid(),
         "settings": {name: getattr(settings, field) for name, field in AGREED_SETTINGS.items()},
-        **describe_me(world.local_size),
+        **describe_me(world.local_size, world.local_rank),
     }
 
 

@@ -65,6 +65,8 @@ class Handle:
         self._event = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Handle], None]] = []
+        self._callback_lock = threading.Lock()
 
     def done(self) -> bool:
         """True once the collective finished, successfully or not."""
@@ -82,9 +84,33 @@ class Handle:
             raise self._error
         return self._result
 
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call ``fn(handle)`` once the collective is done: at once if it already is.
+
+        ``fn`` runs on ringcore's async thread (or the caller's, if done), so
+        it must be quick and must not wait for another collective; exceptions
+        it raises are logged, not propagated. Frameworks use it to complete
+        their own futures (``ringcore.torch``'s process group).
+        """
+        with self._callback_lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        self._call(fn)
+
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
-        self._event.set()
+        with self._callback_lock:
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._call(fn)
+
+    def _call(self, fn: Callable[[Handle], None]) -> None:
+        try:
+            fn(self)
+        except Exception:
+            log.exception("%s: a done-callback raised", self.kind)
 
 
 class Communicator:
@@ -105,9 +131,12 @@ class Communicator:
         server: StoreServer | None = None,
         cache_slices: bool = False,
         wide_segments: bool = False,
+        cross_rank: int = 0,
+        cross_size: int = 1,
     ) -> None:
         self.rank, self.size = rank, size
         self.local_rank, self.local_size = local_rank, local_size
+        self.cross_rank, self.cross_size = cross_rank, cross_size  # among ranks with this local rank
         self.settings = settings
         self.cache_slices = cache_slices  # the same on every rank (shared rendezvous records)
         self.wide_segments = wide_segments  # TCP ring without cache slices: 2 MiB segments (segment_size)

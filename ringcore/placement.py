@@ -29,6 +29,8 @@ class Placement:
     local_size: int
     host_cpus: int  # CPUs the ranks of this host may run on, together
     one_host: bool  # every rank of the job runs on this host (then the same on every rank)
+    cross_rank: int = 0  # this rank's place among the ranks with its local rank (Horovod's cross_rank)
+    cross_size: int = 1  # how many ranks have its local rank: the number of hosts, when all are alike
 
     @property
     def crowded(self) -> bool:
@@ -44,9 +46,14 @@ class Placement:
         return tcp and not self.cache_slices(tcp)
 
 
-def describe_me(local_size: int | None) -> dict[str, Any]:
+def describe_me(local_size: int | None, local_rank: int | None = None) -> dict[str, Any]:
     """What :func:`place` needs to know about this rank, for its rendezvous record."""
-    return {"hostname": socket.gethostname(), "cpus": sorted(_affinity()), "local_size": local_size}
+    return {
+        "hostname": socket.gethostname(),
+        "cpus": sorted(_affinity()),
+        "local_size": local_size,
+        "local_rank": local_rank,
+    }
 
 
 def place(rank: int, records: list[dict[str, Any]], local_rank: int | None = None) -> Placement:
@@ -58,12 +65,28 @@ def place(rank: int, records: list[dict[str, Any]], local_rank: int | None = Non
     declared = {records[peer].get("local_size") for peer in ranks} - {None}
     local_size = declared.pop() if len(declared) == 1 else len(ranks)
     cpus: set[int] = set().union(*(records[peer].get("cpus") or () for peer in ranks))
+    local_ranks = _local_ranks(records, hosts)
+    if local_rank is not None:
+        local_ranks[rank] = local_rank
+    alike = [peer for peer, lr in enumerate(local_ranks) if lr == local_ranks[rank]]
     return Placement(
-        local_rank=ranks.index(rank) if local_rank is None else local_rank,
+        local_rank=local_ranks[rank],
         local_size=local_size,
         host_cpus=len(cpus) or 1,
         one_host=len(hosts) == 1 and local_size == len(records),
+        cross_rank=alike.index(rank),
+        cross_size=len(alike),
     )
+
+
+def _local_ranks(records: list[dict[str, Any]], hosts: dict[str, list[int]]) -> list[int]:
+    """Every rank's local rank: the launcher's when it published one, else its place on its host."""
+    found = [0] * len(records)
+    for ranks in hosts.values():
+        for index, peer in enumerate(ranks):
+            declared = records[peer].get("local_rank")
+            found[peer] = index if declared is None else int(declared)
+    return found
 
 
 def _affinity() -> set[int]:

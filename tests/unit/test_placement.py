@@ -57,3 +57,23 @@ def test_the_ring_is_tuned_alike_on_every_rank_from_the_placement() -> None:
             where = place(rank, records)
             assert (where.cache_slices(tcp=True), where.wide_segments(tcp=True)) == (slices, wide)
             assert not where.cache_slices(tcp=False) and not where.wide_segments(tcp=False)  # RDMA
+
+
+def test_cross_rank_counts_the_ranks_that_share_a_local_rank() -> None:
+    """Horovod's cross_rank/cross_size: two hosts of two ranks, interleaved, and the netns cluster."""
+    records = [record("a", [0]), record("b", [0]), record("a", [1]), record("b", [1])]
+    found = [place(rank, records) for rank in range(4)]
+    assert [(w.local_rank, w.cross_rank, w.cross_size) for w in found] == [
+        (0, 0, 2),
+        (0, 1, 2),
+        (1, 0, 2),
+        (1, 1, 2),
+    ]
+    declared = [{**record("vm", [0], local_size=1), "local_rank": 0} for _ in range(3)]
+    assert [(place(r, declared).cross_rank, place(r, declared).cross_size) for r in range(3)] == [
+        (0, 3),
+        (1, 3),
+        (2, 3),
+    ]
+    one_host = [record("a", [0]), record("a", [1])]
+    assert [(place(r, one_host).cross_rank, place(r, one_host).cross_size) for r in range(2)] == [(0, 1)] * 2
