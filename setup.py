@@ -1,7 +1,8 @@
 """Install entry for ringcore; metadata lives in pyproject.toml.
 
-``bindings/`` and ``bench/`` stay top-level folders in the repository and are
-installed as ``ringcore.bindings`` and ``ringcore.bench``.
+``bindings/torch``, ``bindings/jax`` and ``bench/`` stay top-level folders in
+the repository and are installed as ``ringcore.torch``, ``ringcore.jax`` and
+``ringcore.bench``: users write ``import ringcore.torch as hvd``.
 """
 
 from setuptools import setup
@@ -13,10 +14,15 @@ setup(
         "ringcore.algo",
         "ringcore.kernels",
         "ringcore.device",
-        "ringcore.bindings",
+        "ringcore.torch",
+        "ringcore.jax",
         "ringcore.bench",
         "ringcore.bench.peers",
     ],
-    package_dir={"ringcore.bindings": "bindings", "ringcore.bench": "bench"},
+    package_dir={
+        "ringcore.torch": "bindings/torch",
+        "ringcore.jax": "bindings/jax",
+        "ringcore.bench": "bench",
+    },
     package_data={"ringcore": ["py.typed"], "ringcore.kernels": ["cuda/*.cu"]},
 )

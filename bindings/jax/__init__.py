@@ -1,0 +1,1 @@
+"""ringcore.jax (being written)."""

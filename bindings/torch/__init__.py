@@ -1,0 +1,1 @@
+"""ringcore.torch: placeholder."""
