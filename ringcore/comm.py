@@ -284,6 +284,16 @@ class Communicator:
         """This rank's chunk (``np.array_split`` of axis 0) of ``x`` reduced over all ranks; a new array."""
         return self._call(collectives.plan_reduce_scatter(x, op, compression), name)
 
+    def allgather_async(self, x: Any, name: str | None = None) -> Handle:
+        """Start an allgather; ``handle.wait()`` returns the new array. Do not write ``x`` until then."""
+        return self._call_async(collectives.plan_allgather(x), name)
+
+    def reduce_scatter_async(
+        self, x: Any, op: Any = "sum", compression: Any = None, name: str | None = None
+    ) -> Handle:
+        """Start a reduce_scatter; ``handle.wait()`` returns this rank's chunk. Do not write ``x`` until then."""
+        return self._call_async(collectives.plan_reduce_scatter(x, op, compression), name)
+
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
         bound = self.bound_barrier

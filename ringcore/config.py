@@ -73,6 +73,7 @@ class Settings:
     ib_device: str | None = None
     ib_port: int = 1
     ib_gid_index: int | None = None
+    fusion_threshold: int = 8 * MIB  # ringcore.torch: bytes of small gradients packed into one allreduce
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -114,6 +115,7 @@ class Settings:
             ib_device=env.get("RINGCORE_IB_DEVICE") or None,
             ib_port=reader.int("RINGCORE_IB_PORT", cls.ib_port, minimum=1, maximum=255),
             ib_gid_index=reader.int("RINGCORE_IB_GID_INDEX", None, minimum=0, maximum=4095),
+            fusion_threshold=reader.size("RINGCORE_FUSION_THRESHOLD", cls.fusion_threshold, minimum=0),
         )
 
     def spin_seconds(self) -> float:

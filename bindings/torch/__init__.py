@@ -1,1 +1,116 @@
-"""ringcore.torch: placeholder."""
+"""ringcore.torch: Horovod's PyTorch API on ringcore, and the torch.distributed backend "ringcore".
+
+A script written for ``horovod.torch`` runs with one changed line::
+
+    import ringcore.torch as hvd
+
+    hvd.init()
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()   # gradients are averaged while backward runs
+        optimizer.step()
+
+Importing it registers the ``"ringcore"`` backend of ``torch.distributed``, so
+DDP users switch with ``dist.init_process_group("ringcore")``. ``import
+ringcore`` alone never imports torch.
+
+Which file does what: ``basics`` (init, rank..., ops, compression),
+``tensors`` (tensors in and out of ringcore), ``collectives`` (allreduce,
+allgather, broadcast, reducescatter, barrier, join, objects), ``joining`` (how a
+rank out of data serves the others), ``fusion`` (gradient buckets),
+``optimizer`` (DistributedOptimizer), ``parameters`` (broadcast_parameters,
+broadcast_optimizer_state), ``objects`` (pickled objects, model layout
+checks), ``sync_batch_norm``, ``process_group`` (the torch.distributed
+backend), ``ddp_hooks`` (DDP communication hooks with ringcore's compression).
+"""
+
+from ringcore.torch import process_group as _process_group
+from ringcore.torch.basics import (
+    Adasum,
+    Average,
+    Compression,
+    Max,
+    Min,
+    Product,
+    Sum,
+    cross_rank,
+    cross_size,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
+from ringcore.torch.collectives import (
+    Handle,
+    allgather,
+    allgather_async,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_object,
+    join,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    synchronize,
+)
+from ringcore.torch.optimizer import DistributedOptimizer
+from ringcore.torch.parameters import broadcast_optimizer_state, broadcast_parameters
+
+_process_group.register()
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "Compression",
+    "DistributedOptimizer",
+    "Handle",
+    "Max",
+    "Min",
+    "Product",
+    "Sum",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "cross_rank",
+    "cross_size",
+    "init",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "poll",
+    "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "shutdown",
+    "size",
+    "synchronize",
+]
