@@ -71,6 +71,7 @@ from ringcore.torch.collectives import (
 )
 from ringcore.torch.optimizer import DistributedOptimizer
 from ringcore.torch.parameters import broadcast_optimizer_state, broadcast_parameters
+from ringcore.torch.sync_batch_norm import SyncBatchNorm
 
 _process_group.register()
 
@@ -84,6 +85,7 @@ __all__ = [
     "Min",
     "Product",
     "Sum",
+    "SyncBatchNorm",
     "allgather",
     "allgather_async",
     "allgather_object",
