@@ -182,7 +182,7 @@ def bad_input(comm: Any) -> dict[str, str]:
 
 def _train_step(model: Any, opt: Any, x: np.ndarray, y: np.ndarray, scale: float = 1.0) -> float:
     import torch
-    import torch.nn.functional as F  # noqa: N812
+    import torch.nn.functional as F
 
     loss = F.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y)) * scale
     loss.backward()
