@@ -32,6 +32,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from typing import Any, Protocol
 
 import msgpack
@@ -39,10 +40,10 @@ import msgpack
 from ringcore.comm import Communicator
 from ringcore.config import Settings
 from ringcore.descriptor import rank_list
-from ringcore.errors import CollectiveTimeout, ConfigError
+from ringcore.errors import CollectiveTimeout, ConfigError, RingcoreError
 from ringcore.placement import describe_me, place
 from ringcore.rendezvous import WorldSpec, listen_address
-from ringcore.store import StoreClient, StoreServer, tls_contexts
+from ringcore.store import REJECTED_KEY, StoreClient, StoreServer, tls_contexts
 from ringcore.transport.mesh import connect_mesh, make_listener
 from ringcore.transport.tcp import TcpTransport
 
@@ -88,11 +89,7 @@ def bootstrap(world: WorldSpec, settings: Settings, meeting: Meeting | None = No
         server = _start_server(world, key, settings, server_tls) if world.rank == 0 else None
     store = listener = device = None
     try:
-        store = StoreClient(
-            world.addr, world.port, settings.init_timeout, key, settings.handshake_timeout, client_tls
-        )
-        if store.add(f"join/{world.rank}", 1) > 1:
-            raise ConfigError(f"two processes claim rank {world.rank}; check RINGCORE_RANK / the launcher")
+        store = _join_store(world, settings, key, client_tls)
         if world.rank == 0:
             store.set("session", secrets.randbits(63))
         if settings.transport != "tcp":
@@ -164,6 +161,42 @@ def bootstrap(world: WorldSpec, settings: Settings, meeting: Meeting | None = No
     return comm
 
 
+def _join_store(world: WorldSpec, settings: Settings, key: bytes, tls: Any) -> StoreClient:
+    """Connect to the store and join its job, retrying while the job that last used it ends.
+
+    See :mod:`ringcore.store` (one address, many jobs): with one fixed address, a rank that
+    re-initialises quickly may reach rank 0's store before rank 0 has started the
+    next job in it.
+    """
+    deadline = time.monotonic() + settings.init_timeout
+    while True:
+        store = StoreClient(
+            world.addr,
+            world.port,
+            max(0.1, deadline - time.monotonic()),
+            key,
+            settings.handshake_timeout,
+            tls,
+        )
+        try:
+            if store.join(world.rank):
+                return store
+        except BaseException:
+            store.close()
+            raise
+        store.close()
+        if time.monotonic() + _REJOIN_DELAY > deadline:
+            raise CollectiveTimeout(
+                f"rank {world.rank}: the rendezvous store at {world.addr}:{world.port} still served the "
+                f"previous job after {settings.init_timeout:g} s (RINGCORE_INIT_TIMEOUT); did rank 0 "
+                "call ringcore.init() again?"
+            )
+        time.sleep(_REJOIN_DELAY)
+
+
+_REJOIN_DELAY = 0.02
+
+
 def _meet(
     world: WorldSpec, settings: Settings, meeting: Meeting, tls: Any
 ) -> tuple[WorldSpec, bytes, StoreServer | None]:
@@ -177,6 +210,20 @@ def _meet(
     addr, port, shared = msgpack.unpackb(meeting.get(_MEETING_KEY))
     key = settings.secret if settings.secret is not None else bytes(shared)
     return dataclasses.replace(world, addr=addr, port=int(port)), key, None
+
+
+def _rejected(store: StoreClient) -> str:
+    """What the store noted of the last connection that failed authentication, for a timeout's message."""
+    try:
+        note = store.mget([REJECTED_KEY])[0]
+    except RingcoreError:
+        return ""
+    if note is None:
+        return ""
+    return (
+        f" Meanwhile the store rejected a connection from {note}: a rank with a different "
+        "RINGCORE_SECRET (or TLS settings) may be trying to join"
+    )
 
 
 def _open_rdma(store: StoreClient, world: WorldSpec, settings: Settings) -> tuple[Any, list[dict[str, Any]]]:
@@ -267,7 +314,8 @@ def _read_peers(store: StoreClient, world: WorldSpec, timeout: float) -> list[di
         except CollectiveTimeout:
             raise CollectiveTimeout(
                 f"rank {world.rank}: rank {rank} did not join the rendezvous at {world.addr}:{world.port} "
-                f"within {timeout:g} s (RINGCORE_INIT_TIMEOUT); is it running, with the same world size and RINGCORE_SECRET?"
+                f"within {timeout:g} s (RINGCORE_INIT_TIMEOUT); is it running, with the same world size and "
+                f"RINGCORE_SECRET?{_rejected(store)}"
             ) from None
     sizes: dict[int, list[int]] = {}
     for rank, peer in enumerate(peers):

@@ -316,11 +316,12 @@ class Communicator:
         if self.transport is not None:
             self.transport.close()
         if self.store is not None:
+            self.store.leave(self.rank)
             self.store.close()
         if self.timeline is not None:
             self.timeline.close()
         if self.server is not None:
-            self.server.close()
+            self.server.retire()  # serves until every rank has left: see ringcore.store
         self._scratch.clear()
         self._views.clear()
         self._checked.clear()

@@ -9,15 +9,29 @@ do so every rank can name the difference.
 
 Every connection first passes the HMAC handshake of :mod:`ringcore.auth`
 (inside TLS when ``RINGCORE_TLS_CERT`` is set); a client that fails it, or is
-too slow, is dropped and logged, and the store carries on. The server runs
-one thread per client; pending handshakes are capped so a flood of strangers
-cannot pile up threads.
+too slow, is dropped and logged (and noted in the store under
+``ringcore/rejected``, so a rank that times out can say a connection failed
+authentication), and the store carries on. The server runs one thread per
+client; pending handshakes are capped so a flood of strangers cannot pile up
+threads.
+
+One address, many jobs. ``shutdown()`` then ``init()`` at the same address
+(every launcher gives a fixed ``MASTER_PORT``) must not let a rank that
+re-initialises quickly meet the store of the job that is ending. Each rank
+*joins* the store (``["join", rank, pid]``) and *leaves* it at shutdown (or
+its joining connection closes: it died). A rank that joins again while the
+store still serves the job it left, or while the store is retiring, is told
+to retry, and reconnects until its init deadline. Rank 0's shutdown
+*retires* its server: it waits until every member has left (at most
+``RETIRE_GRACE`` s), then closes, so its next ``init()`` binds the address
+afresh and nothing of one job leaks into the next.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import ssl
 import struct
@@ -36,6 +50,9 @@ log = logging.getLogger("ringcore")
 _LENGTH = struct.Struct("<I")
 MAX_MESSAGE = 1024 * 1024
 MAX_PENDING_HANDSHAKES = 64
+RETIRE_GRACE = 10.0  # seconds a retiring store waits for members that have not left
+REJECTED_KEY = "ringcore/rejected"
+_LEFT = "left"
 
 
 def send_message(sock: socket.socket, message: Any) -> None:
@@ -77,8 +94,10 @@ class StoreServer:
         self.pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self.data: dict[str, Any] = {}
         self.cond = threading.Condition()
+        self.members: dict[int, Any] = {}  # rank -> its pid, or _LEFT once it has left
+        self.retiring = False
         self.listener = socket.create_server((host, port), family=_family(host), reuse_port=False)
-        self.port = self.listener.getsockname()[1]
+        self.host, self.port = host, self.listener.getsockname()[1]
         self.clients: set[socket.socket] = set()  # live connections, so close() can end them
         self.clients_lock = threading.Lock()
         self.closed = False
@@ -125,6 +144,9 @@ class StoreServer:
         except (AuthenticationError, OSError) as err:
             if not self.closed:  # close() ends handshakes in progress: nothing was rejected
                 log.warning("store: rejected a connection from %s:%s: %s", address[0], address[1], str(err))
+                if isinstance(err, AuthenticationError):
+                    with self.cond:
+                        self.data[REJECTED_KEY] = f"{address[0]}:{address[1]} ({err})"
             self._track(sock, add=False)
             self._track(raw, add=False)
             sock.close()
@@ -138,18 +160,61 @@ class StoreServer:
         sock = self._admit(raw, address)
         if sock is None:
             return
+        member: list[Any] = []  # (rank, pid) once this connection has joined
         try:
             while True:
-                send_message(sock, self._handle(recv_message(sock)))
+                send_message(sock, self._handle(recv_message(sock), member))
         except (OSError, RingcoreError, ValueError, msgpack.UnpackException):
             self._track(sock, add=False)
             sock.close()
+        finally:
+            if member:  # a member whose connection closed has left (it shut down, or died)
+                self._leave(*member)
 
-    def _handle(self, request: Any) -> list[Any]:
+    def _handle(self, request: Any, member: list[Any]) -> list[Any]:
         try:
+            if isinstance(request, list) and len(request) >= 2 and request[0] in ("join", "leave"):
+                return self._membership(request, member)
             return self._dispatch(request)
         except (TypeError, ValueError, OverflowError) as err:
             return ["error", f"bad arguments: {err}"]
+
+    def _membership(self, request: list[Any], member: list[Any]) -> list[Any]:
+        """``["join", rank, pid]`` and ``["leave", rank]`` (see the module docstring)."""
+        rank = int(request[1])
+        if request[0] == "leave":
+            if member and member[0] == rank:
+                self._leave(*member)
+            return ["ok", None]
+        pid = int(request[2])
+        with self.cond:
+            holder = self.members.get(rank)
+            if self.retiring or holder == _LEFT:
+                return ["retry", "the job that last used this store is still ending"]
+            if holder is not None:
+                return ["error", f"two processes claim rank {rank} (pids {holder} and {pid})"]
+            self.members[rank] = pid
+        member[:] = [rank, pid]
+        return ["ok", None]
+
+    def _leave(self, rank: int, pid: int) -> None:
+        with self.cond:
+            if self.members.get(rank) == pid:
+                self.members[rank] = _LEFT
+                self.cond.notify_all()
+
+    def retire(self, grace: float = RETIRE_GRACE) -> None:
+        """Rank 0 shuts down: refuse new members, wait until every member has left (``grace`` s at most), close."""
+        deadline = time.monotonic() + grace
+        with self.cond:
+            self.retiring = True
+            while any(state != _LEFT for state in self.members.values()) and not self.closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    log.debug("store: closing with ranks that did not leave: %s", self.members)
+                    break
+                self.cond.wait(remaining)
+        self.close()
 
     def _dispatch(self, request: Any) -> list[Any]:
         if not isinstance(request, list) or not request or not isinstance(request[0], str):
@@ -213,6 +278,10 @@ class StoreServer:
 # --------------------------------------------------------------------------- client
 
 
+class StoreLost(RingcoreError):
+    """The connection to the store broke (rank 0 exited, or its store closed)."""
+
+
 class StoreClient:
     """A connection to the store; thread-safe (one request at a time)."""
 
@@ -228,19 +297,31 @@ class StoreClient:
         self.address = (host, port)
         self.lock = threading.Lock()
         self._credentials = (timeout, key, handshake_timeout, tls)
-        sock = _connect_with_retry(host, port, timeout)
-        try:
-            if tls is not None:
-                sock.settimeout(handshake_timeout)
-                sock = tls.wrap_socket(sock, server_hostname=host)
-            auth.client_handshake(sock, key, auth.STORE_CONTEXT, handshake_timeout)
-        except (AuthenticationError, ssl.SSLError, OSError) as err:
-            sock.close()
-            raise AuthenticationError(
-                f"authentication failed with the rendezvous store at {host}:{port} (rank 0): {err}; "
-                "every rank needs the same RINGCORE_SECRET (ringcore-run sets one per job) and the "
-                "same RINGCORE_TLS_* settings"
-            ) from None
+        deadline = time.monotonic() + timeout
+        while True:
+            sock = _connect_with_retry(host, port, max(0.0, deadline - time.monotonic()))
+            try:
+                if tls is not None:
+                    sock.settimeout(handshake_timeout)
+                    sock = tls.wrap_socket(sock, server_hostname=host)
+                auth.client_handshake(sock, key, auth.STORE_CONTEXT, handshake_timeout)
+                break
+            except (AuthenticationError, ssl.SSLError) as err:
+                sock.close()
+                raise AuthenticationError(
+                    f"authentication failed with the rendezvous store at {host}:{port} (rank 0): {err}; "
+                    "every rank needs the same RINGCORE_SECRET (ringcore-run sets one per job) and the "
+                    "same RINGCORE_TLS_* settings"
+                ) from None
+            except OSError as err:  # torn, not refused: e.g. a store closing as the last job ends
+                sock.close()
+                if time.monotonic() + 0.05 > deadline:
+                    raise AuthenticationError(
+                        f"the rendezvous store at {host}:{port} (rank 0) closed every connection during the "
+                        f"handshake for {timeout:g} s ({err}); every rank needs the same RINGCORE_SECRET "
+                        "and the same RINGCORE_TLS_* settings"
+                    ) from None
+                time.sleep(0.05)
         self.sock = sock
 
     def set(self, key: str, value: Any) -> None:
@@ -266,6 +347,27 @@ class StoreClient:
     def add(self, key: str, delta: int) -> int:
         return int(self._call(["add", key, delta], 30.0)[1])
 
+    def join(self, rank: int) -> bool:
+        """Become ``rank`` of the store's job; False: the last job is still ending, connect again later.
+
+        Raises:
+            ConfigError: another live process holds ``rank``.
+        """
+        try:
+            status, _ = self._call(["join", rank, os.getpid()], 30.0)
+        except StoreLost:  # the store closed as the last job ended: the next one comes up soon
+            return False
+        except RingcoreError as err:
+            if "claim" in str(err):
+                raise ConfigError(f"{err}; check RINGCORE_RANK / the launcher") from None
+            raise
+        return status == "ok"
+
+    def leave(self, rank: int) -> None:
+        """Tell the store this rank is done with its job (best effort: a store already gone is fine)."""
+        with contextlib.suppress(RingcoreError):
+            self._call(["leave", rank], 5.0)
+
     def _call(self, request: list[Any], timeout: float) -> list[Any]:
         with self.lock:
             self.sock.settimeout(timeout)
@@ -274,7 +376,7 @@ class StoreClient:
                 reply = recv_message(self.sock)
             except (OSError, ConnectionError) as err:
                 host, port = self.address
-                raise RingcoreError(f"lost the rendezvous store at {host}:{port} (rank 0): {err}") from None
+                raise StoreLost(f"lost the rendezvous store at {host}:{port} (rank 0): {err}") from None
         if reply[0] == "error":
             raise RingcoreError(f"the rendezvous store refused {request[0]} {request[1]!r}: {reply[1]}")
         return reply

@@ -191,3 +191,46 @@ def test_close_wakes_waiting_gets(server: StoreServer) -> None:
     assert not waiter.is_alive(), "a get kept waiting after the store closed"
     assert len(errors) == 1 and isinstance(errors[0], RingcoreError)
     client.close()
+
+
+def test_members_join_leave_and_a_rank_that_left_is_told_to_retry(server: StoreServer) -> None:
+    first, second = (StoreClient("127.0.0.1", server.port, timeout=5.0) for _ in range(2))
+    assert first.join(1)
+    assert second.join(0)
+    first.leave(1)
+    again = StoreClient("127.0.0.1", server.port, timeout=5.0)
+    assert not again.join(1), "a rank that left this job must wait for the next one"
+    assert again.join(2)  # a rank the job has not seen may still join
+    for client in (first, second, again):
+        client.close()
+
+
+def test_a_second_claim_of_a_rank_still_in_the_job_is_a_config_error(server: StoreServer) -> None:
+    from ringcore.errors import ConfigError
+
+    holder = StoreClient("127.0.0.1", server.port, timeout=5.0)
+    assert holder.join(3)
+    other = StoreClient("127.0.0.1", server.port, timeout=5.0)
+    with pytest.raises(ConfigError, match="two processes claim rank 3"):
+        other.join(3)
+    holder.close()
+    other.close()
+
+
+def test_retire_waits_for_members_and_counts_a_closed_connection_as_leaving() -> None:
+    server = StoreServer("127.0.0.1", 0)
+    stays, dies = (StoreClient("127.0.0.1", server.port, timeout=5.0) for _ in range(2))
+    assert stays.join(0) and dies.join(1)
+    retired = threading.Event()
+    thread = threading.Thread(target=lambda: (server.retire(grace=20), retired.set()))
+    thread.start()
+    assert not retired.wait(0.3), "retire() returned while both members were still in the job"
+    late = StoreClient("127.0.0.1", server.port, timeout=5.0)
+    assert not late.join(2), "a retiring store takes no new member"
+    late.close()
+    stays.leave(0)
+    dies.sock.close()  # a rank that died: its connection closes without a leave
+    assert retired.wait(5), "retire() did not return once every member had left"
+    thread.join(5)
+    assert server.closed
+    stays.close()
