@@ -13,6 +13,12 @@ environment plus:
 - ``RINGCORE_ADDR`` and ``RINGCORE_PORT``: where the ranks rendezvous
   (``--addr``, default ``127.0.0.1``; ``--port``, default a free local port)
 - ``PYTHONUNBUFFERED=1`` so output arrives line by line
+- torch's ``env://`` variables, each unless the launcher's environment already
+  has it: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+  ``MASTER_ADDR`` (``--addr``) and ``MASTER_PORT``, a second free port (never
+  ``RINGCORE_PORT`` or the one below it), so ``dist.init_process_group()``
+  works as under torchrun. ringcore itself keeps reading ``RINGCORE_*``, which
+  win over torch's variables in its discovery.
 
 Binding (``--bind-to core``, the default; ``RINGCORE_BIND_TO`` sets the
 default, e.g. for ``ringcore-bench --np``): when the host has a CPU for every
@@ -100,6 +106,7 @@ class Options:
         command: The program and its arguments.
         bind: Bind each rank to its CPUs (:func:`rank_cores`).
         secret: The job's RINGCORE_SECRET: the launcher's own if set, else a fresh random one.
+        master_port: torch's ``MASTER_PORT`` for every rank; 0 picks a free port other than ``port``.
     """
 
     size: int
@@ -113,6 +120,11 @@ class Options:
     secret: str = dataclasses.field(
         default_factory=lambda: os.environ.get("RINGCORE_SECRET") or secrets.token_hex(32), repr=False
     )
+    master_port: int = 0
+
+    def __post_init__(self) -> None:
+        if self.master_port == 0:
+            object.__setattr__(self, "master_port", torch_port(self.port))
 
 
 # --------------------------------------------------------------------------- command line
@@ -213,8 +225,15 @@ def find_free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def torch_port(port: int) -> int:
+    """A free port for torch's store: not ``port`` (ringcore's), nor ``port - 1`` (whose + 1 is ringcore's)."""
+    while (candidate := find_free_port()) in (port, port - 1):
+        pass
+    return candidate
+
+
 def rank_env(base: Mapping[str, str], options: Options, rank: int) -> dict[str, str]:
-    """Return the environment of ``rank``: ``base`` plus the ``RINGCORE_*`` identity.
+    """Return the environment of ``rank``: ``base`` plus the ``RINGCORE_*`` identity and torch's variables.
 
     Args:
         base: The launcher's environment.
@@ -232,6 +251,16 @@ def rank_env(base: Mapping[str, str], options: Options, rank: int) -> dict[str, 
         RINGCORE_PORT=str(options.port),
         PYTHONUNBUFFERED="1",
     )
+    torch_vars = {
+        "RANK": rank,
+        "WORLD_SIZE": options.size,
+        "LOCAL_RANK": rank,
+        "LOCAL_WORLD_SIZE": options.size,
+        "MASTER_ADDR": options.addr,
+        "MASTER_PORT": options.master_port,
+    }
+    for name, value in torch_vars.items():
+        env.setdefault(name, str(value))
     return env
 
 
