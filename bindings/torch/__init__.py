@@ -29,6 +29,7 @@ checks), ``sync_batch_norm``, ``process_group`` (the torch.distributed
 backend), ``ddp_hooks`` (DDP communication hooks with ringcore's compression).
 """
 
+from ringcore.torch import ddp_hooks
 from ringcore.torch import process_group as _process_group
 from ringcore.torch.basics import (
     Adasum,
@@ -103,6 +104,7 @@ __all__ = [
     "broadcast_parameters",
     "cross_rank",
     "cross_size",
+    "ddp_hooks",
     "init",
     "is_initialized",
     "join",
