@@ -84,6 +84,10 @@ class Handle:
             raise self._error
         return self._result
 
+    def exception(self) -> BaseException | None:
+        """The collective's error once it is done (``None`` if it succeeded or is still running)."""
+        return self._error if self._event.is_set() else None
+
     def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
         """Call ``fn(handle)`` once the collective is done: at once if it already is.
 

@@ -45,11 +45,11 @@ Collectives. Implemented: ``all_reduce`` (SUM, AVG, PRODUCT, MIN, MAX),
 ``reduce_scatter_tensor`` (``reduce_scatter_single``), ``barrier``, and the object collectives built on them (``all_gather_object``,
 ``broadcast_object_list``). Every other call (``send``, ``recv``, ``gather``,
 ``scatter``, ``reduce``, ``all_to_all``...) raises ``NotImplementedError``
-naming it. ``all_reduce``, ``all_reduce_coalesced`` and ``broadcast`` run on
-ringcore's async thread and return at once; the others run in the caller's
-thread (the core has no async allgather, reduce_scatter or barrier) and
-return a finished Work. Either way collectives run in call order, as ringcore
-orders them, so ranks must call them in the same order, as with NCCL.
+naming it. Every collective but ``barrier`` runs on ringcore's async thread
+and returns at once (results are copied into the output tensors there);
+``barrier`` runs in the caller's thread and returns a finished Work. Either
+way collectives run in call order, as ringcore orders them, so ranks must
+call them in the same order, as with NCCL.
 
 Work and errors. Arguments ringcore rejects raise ``TypeError``/``ValueError``
 at the call. A failure between ranks (``PeerFailure``, ``CollectiveTimeout``,
@@ -234,7 +234,7 @@ class RingcoreWork(dist.Work):
 
     def follow(self, handle: Handle, after: Callable[[], None] | None = None) -> RingcoreWork:
         """Finish when ringcore's ``handle`` does (on ringcore's async thread); returns self."""
-        handle.add_done_callback(lambda done: self.finish(_error_of(done), after))
+        handle.add_done_callback(lambda done: self.finish(done.exception(), after))
         return self
 
     def _outcome(self, _: torch.futures.Future[None]) -> Any:
@@ -271,14 +271,6 @@ class RingcoreWork(dist.Work):
     def result(self) -> Any:
         self.wait()
         return self._value
-
-
-def _error_of(handle: Handle) -> BaseException | None:
-    try:
-        handle.wait(0)
-    except BaseException as err:
-        return err
-    return None
 
 
 # --------------------------------------------------------------------------- tensors
@@ -426,8 +418,7 @@ class RingcoreProcessGroup(dist.ProcessGroup):
                 f"ringcore backend: all_gather needs {self.comm.size} output tensors, got {len(outputs)}"
             )
 
-        def run() -> None:
-            gathered = self._gather(source, "all_gather")
+        def place(gathered: torch.Tensor) -> None:
             sizes = [t.numel() for t in outputs]
             if gathered.numel() != sum(sizes):
                 raise ValueError(
@@ -437,21 +428,19 @@ class RingcoreProcessGroup(dist.ProcessGroup):
             for out, piece in zip(outputs, gathered.split(sizes), strict=True):
                 out.detach().copy_(piece.view(out.shape))
 
-        return self._run_now("all_gather", output_tensors, run)
+        return self._gather(source, "all_gather", output_tensors, place)
 
     def all_gather_single(self, output: torch.Tensor, source: torch.Tensor, opts: Any = None) -> RingcoreWork:
         """``all_gather_into_tensor``: every rank's input concatenated into ``output``."""
-
-        def run() -> None:
-            gathered = self._gather(source, "all_gather_into_tensor")
-            if gathered.numel() != output.numel():
-                raise ValueError(
-                    f"ringcore backend: all_gather_into_tensor's output has {output.numel()} elements, "
-                    f"the ranks sent {gathered.numel()}"
-                )
-            output.detach().copy_(gathered.view(output.shape))
-
-        return self._run_now("all_gather_into_tensor", [output], run)
+        call = "all_gather_into_tensor"
+        if output.numel() != source.numel() * self.comm.size:
+            raise ValueError(
+                f"ringcore backend: {call}'s output has {output.numel()} elements, expected "
+                f"{self.comm.size} x {source.numel()} (world size x input)"
+            )
+        return self._gather(
+            source, call, [output], lambda gathered: output.detach().copy_(gathered.view(output.shape))
+        )
 
     _allgather_base = all_gather_single  # what torch before 2.13 calls
 
@@ -506,17 +495,23 @@ class RingcoreProcessGroup(dist.ProcessGroup):
 
     # ----------------------------------------------------------------- helpers
 
-    def _gather(self, source: torch.Tensor, call: str) -> torch.Tensor:
-        """Every rank's ``source`` concatenated, flat, in ``source``'s dtype."""
+    def _gather(
+        self, source: torch.Tensor, call: str, value: Any, place: Callable[[torch.Tensor], Any]
+    ) -> RingcoreWork:
+        """Start gathering every rank's ``source``; ``place`` gets them concatenated, flat, in its dtype."""
         dense = _dense(source, call)[0]
-        return _to_torch(self.comm.allgather(_movable(dense)), source.dtype)
+        handle = self.comm.allgather_async(_movable(dense))
+        return RingcoreWork(call, value).follow(
+            handle, lambda: place(_to_torch(handle.wait(0), source.dtype))
+        )
 
     def _reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor, op: str, call: str) -> RingcoreWork:
-        def run() -> None:
-            mine = self.comm.reduce_scatter(rows, op=op)
-            output.detach().copy_(_to_torch(mine, rows.dtype).view(output.shape))
+        handle = self.comm.reduce_scatter_async(rows, op=op)
 
-        return self._run_now(call, [output], run)
+        def place() -> None:
+            output.detach().copy_(_to_torch(handle.wait(0), rows.dtype).view(output.shape))
+
+        return RingcoreWork(call, [output]).follow(handle, place)
 
     def _run_now(self, call: str, value: Any, run: Callable[[], None]) -> RingcoreWork:
         """Run a blocking collective here; ringcore's errors go into the Work, bad arguments raise."""
