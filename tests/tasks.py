@@ -944,3 +944,19 @@ def kept_layouts(comm: Any, kind: type | None = None) -> int:
 
     kind = kind or KeptAllreduce
     return sum(1 for entry in comm._checked.values() if isinstance(entry[3], kind) and entry[3].bound)
+
+
+def async_new_arrays(comm: Any, inputs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """allgather_async and reduce_scatter_async, with done-callbacks recording the order they ran."""
+    import threading
+
+    seen: list[str] = []
+    done = threading.Event()
+    gathered = comm.allgather_async(inputs[comm.rank])
+    scattered = comm.reduce_scatter_async(inputs[comm.rank], op="sum")
+    gathered.add_done_callback(lambda h: seen.append(f"allgather {h.exception()}"))
+    scattered.add_done_callback(lambda h: (seen.append(f"reduce_scatter {h.exception()}"), done.set()))
+    assert done.wait(60)
+    late: list[str] = []
+    gathered.add_done_callback(lambda h: late.append("at once"))  # already done: runs in this thread
+    return gathered.wait(10), scattered.wait(10), seen + late
