@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # An emulated cluster of N hosts on this machine: network namespaces on a
-# bridge, every link rate-limited in both directions. Must run as root.
+# bridge, every link rate-limited in both directions. Must run as root; `up`
+# installs what it needs (ip and tc from iproute2, ping, iperf3) with apt-get
+# when they are missing.
 #
 #   netns_cluster.sh up N RATE [MTU]     hosts 0..N-1, links of RATE (1gbit, 500mbit, 10gbit...)
 #   netns_cluster.sh down                remove every namespace `up` made
@@ -33,7 +35,31 @@ SWITCH=rchsw      # the bridge's namespace
 NET=10.213.0      # private /24, exists only inside these namespaces
 PORT=29511        # rendezvous port of `launch` (on host 0)
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+
+have() { [ -x "$(command -v "$1")" ]; }
+
+# need TOOL...: install the Debian packages of the missing TOOLs (root, apt-get), or say which.
+need() {
+    local -A package=([ip]=iproute2 [tc]=iproute2 [ping]=iputils-ping [iperf3]=iperf3)
+    local tool missing=()
+    for tool in "$@"; do
+        have "$tool" || missing+=("${package[$tool]}")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
+    if [ "$(id -u)" -eq 0 ] && have apt-get; then
+        echo "installing ${missing[*]} (apt-get)" >&2
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } >/dev/null \
+            || echo "apt-get could not install ${missing[*]}" >&2
+    fi
+    for tool in "$@"; do
+        have "$tool" \
+            || { echo "$tool not found: apt-get install ${package[$tool]} (as root)" >&2; exit 1; }
+    done
+}
+
+need_root() { [ "$(id -u)" -eq 0 ] || { echo "$0: must run as root (network namespaces)" >&2; exit 1; }; }
 
 # tc rate -> bytes per second (tc's units are SI: 1gbit = 1e9 bit/s)
 rate_bytes() {
@@ -71,6 +97,8 @@ down() {
 up() {
     local n=${1:?N} rate=${2:?RATE} mtu=${3:-1500}
     [[ $n =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le 250 ] || { echo "N must be 1..250" >&2; exit 2; }
+    need_root
+    need ip tc ping iperf3  # iperf3: `iperf`, the first thing to run on a new cluster
     local bps; bps=$(rate_bytes "$rate")
     # bucket: 2 ms at RATE but at least 64 KiB, so one TSO/GSO packet fits;
     # queue: 50 ms, deep enough that a TCP window (a few MiB) is not dropped
@@ -104,6 +132,7 @@ up() {
 iperf() {
     local i=${1:?I} j=${2:?J} secs=${3:-5}
     need_host "$i"; need_host "$j"
+    need iperf3
     ip netns exec "${HOST}$i" timeout $(( secs + 20 )) iperf3 -s -1 -B "$(addr "$i")" -p 5201 >/dev/null &
     local srv=$!
     sleep 0.5
@@ -123,7 +152,8 @@ launch() {
     # is off unless RINGCORE_SPIN_US says otherwise.
     local spin=${RINGCORE_SPIN_US:-0}
     for i in $(seq 0 $(( n - 1 ))); do
-        ip netns exec "${HOST}$i" env RINGCORE_SECRET="$secret" RINGCORE_RANK="$i" RINGCORE_SIZE="$n" \
+        # The secret goes in the environment, not on a command line (`ps` shows those).
+        RINGCORE_SECRET="$secret" ip netns exec "${HOST}$i" env RINGCORE_RANK="$i" RINGCORE_SIZE="$n" \
             RINGCORE_LOCAL_RANK=0 RINGCORE_LOCAL_SIZE=1 RINGCORE_SPIN_US="$spin" RINGCORE_ADDR="$(addr 0)" \
             RINGCORE_PORT="$PORT" RINGCORE_IFNAME=eth0 PYTHONUNBUFFERED=1 "$@" &
         pids+=("$!")

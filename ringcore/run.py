@@ -4,14 +4,18 @@ Usage::
 
     ringcore-run -np 4 python train.py --lr 0.1
     python -m ringcore.run -np 2 -- python -c "import os; print(os.environ['RINGCORE_RANK'])"
+    ringcore-run -np 8 -H hostA:4,hostB:4 -x LD_LIBRARY_PATH python train.py
 
 Every rank ``r`` in ``0..N-1`` runs the command with the launcher's
 environment plus:
 
 - ``RINGCORE_RANK=r`` and ``RINGCORE_LOCAL_RANK=r``
-- ``RINGCORE_SIZE=N`` and ``RINGCORE_LOCAL_SIZE=N`` (all ranks run on this host)
+- ``RINGCORE_SIZE=N`` and ``RINGCORE_LOCAL_SIZE=N`` (all ranks run on this host;
+  across hosts: the rank's place among its host's ranks, and their number)
 - ``RINGCORE_ADDR`` and ``RINGCORE_PORT``: where the ranks rendezvous
-  (``--addr``, default ``127.0.0.1``; ``--port``, default a free local port)
+  (``--addr``, default ``127.0.0.1``, across hosts the first host's address;
+  ``--port``, default a free local port)
+- ``RINGCORE_IFNAME`` with ``--network-interface``; what ``-x`` names
 - ``PYTHONUNBUFFERED=1`` so output arrives line by line
 - torch's ``env://`` variables, each unless the launcher's environment already
   has it: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
@@ -51,6 +55,17 @@ Failure semantics, modelled on torchrun's "first failure is the root cause":
 - The launcher gets SIGINT or SIGTERM: ranks are stopped the same way; exit
   130 or 143.
 - The command cannot be found: exit 127 (126 when it is not executable).
+
+Across hosts (``-H hostA:4,hostB:4``, ``--hostfile FILE``; :mod:`ringcore.hosts`):
+ranks fill the hosts' slots in order, ``-np`` defaults to all of them. Ranks
+on this machine start as above, the others over ssh (:mod:`ringcore.remote`,
+:mod:`ringcore.rank_agent`), with the job's secret on the session's stdin.
+They get ``RINGCORE_*`` (the launcher's too), torch's variables and ``-x``
+on top of the remote login's environment. Stopping a remote rank closes its
+session's stdin: the agent sends the rank's process group SIGTERM, SIGKILL
+after ``--grace``, and reports, which the launcher awaits up to
+``REMOTE_SLACK`` s more. Messages name the host: ``rank 5 on hostB was
+killed by signal SIGKILL (9)``.
 """
 
 from __future__ import annotations
@@ -58,9 +73,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import queue
+import re
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -70,25 +88,45 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import BinaryIO, TextIO
 
+from ringcore import hosts, remote
+from ringcore.rank_agent import rank_cores
+from ringcore.remote import RemoteError, RemoteRank, SshOptions
+
 PROG = "ringcore-run"
 EXIT_TIMEOUT = 124
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
+EXIT_SSH = 255  # as ssh itself: a host that cannot be reached or asked
 POLL_SECONDS = 0.05
+# Seconds past --grace that a remote rank's agent has to stop it and report.
+REMOTE_SLACK = 3.0
+TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Bound on waiting for output after all ranks are gone: a grandchild that left
 # the rank's process group may still hold a pipe open.
 DRAIN_SECONDS = 5.0
 
-_NP_HELP = "number of ranks to start (required)"
+_NP_HELP = "number of ranks to start (required without -H/--hostfile; with them, all their slots)"
 _EPILOG = """\
 examples:
   ringcore-run -np 4 python train.py --lr 0.1
   ringcore-run -n 2 --timeout 600 -- python -m mypkg.train
   ringcore-run --np 8 --no-prefix python bench.py > bench.log
+  ringcore-run -np 8 -H hostA:4,hostB:4 -x LD_LIBRARY_PATH -x OMP_NUM_THREADS=4 python train.py
+  ringcore-run --hostfile hosts.txt --network-interface eth0 --ssh-port 2222 python train.py
+
+across hosts: ranks fill the hosts' slots in order (hostfile lines: 'hostA slots=4').
+Ranks on other hosts start over ssh in batch mode (keys, no passwords), run in
+this directory when it exists there, and need python3 on the remote PATH; they
+get the remote login's environment plus RINGCORE_*, torch's variables and -x.
+The job's secret travels on the ssh session's stdin, never on a command line,
+so remote ranks read /dev/null on stdin. The rendezvous address is the first
+host's (--network-interface: that interface's address there).
 
 exit status: 0 when every rank exits 0; otherwise the first failing rank's
 exit code (128+N when it was killed by signal N), 124 on --timeout, 127 when
-the command is not found, 130/143 when the launcher gets SIGINT/SIGTERM.
+the command is not found, 130/143 when the launcher gets SIGINT/SIGTERM,
+ssh's code (255) when a remote rank's ssh fails or no rendezvous address is found.
 """
 
 
@@ -107,6 +145,10 @@ class Options:
         bind: Bind each rank to its CPUs (:func:`rank_cores`).
         secret: The job's RINGCORE_SECRET: the launcher's own if set, else a fresh random one.
         master_port: torch's ``MASTER_PORT`` for every rank; 0 picks a free port other than ``port``.
+        slots: Where each rank runs (``-H``/``--hostfile``); empty: every rank on this host.
+        exports: ``-x`` variables as ``(name, value)``.
+        ifname: ``--network-interface``: handed to the ranks as ``RINGCORE_IFNAME``.
+        ssh: How to reach the other hosts.
     """
 
     size: int
@@ -121,10 +163,20 @@ class Options:
         default_factory=lambda: os.environ.get("RINGCORE_SECRET") or secrets.token_hex(32), repr=False
     )
     master_port: int = 0
+    slots: tuple[hosts.Slot, ...] = ()
+    exports: tuple[tuple[str, str], ...] = ()
+    ifname: str | None = None
+    ssh: SshOptions = dataclasses.field(default_factory=SshOptions)
 
     def __post_init__(self) -> None:
         if self.master_port == 0:
             object.__setattr__(self, "master_port", torch_port(self.port))
+
+    def slot(self, rank: int) -> hosts.Slot:
+        """Where ``rank`` runs; without ``-H``/``--hostfile``, on this host with every other rank."""
+        if self.slots:
+            return self.slots[rank]
+        return hosts.Slot(rank, "localhost", rank, self.size, local=True)
 
 
 # --------------------------------------------------------------------------- command line
@@ -162,15 +214,20 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of ``ringcore-run``."""
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Start N copies of COMMAND as the ranks of one ringcore job on this host,\n"
-        "prefix their output, and stop them all as soon as one of them fails.",
+        description="Start N copies of COMMAND as the ranks of one ringcore job on this host\n"
+        "(or across hosts, over ssh: -H, --hostfile), prefix their output, and stop them\n"
+        "all as soon as one of them fails.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
     add = parser.add_argument
-    add("-np", "-n", "--np", dest="size", type=_positive_int, required=True, metavar="N", help=_NP_HELP)
-    add("--addr", default="127.0.0.1", help="rendezvous address given to the ranks (default: %(default)s)")
+    add("-np", "-n", "--np", dest="size", type=_positive_int, metavar="N", help=_NP_HELP)
+    add(
+        "--addr",
+        help="rendezvous address given to the ranks (default: 127.0.0.1; with -H/--hostfile, "
+        "the first host's address as the other hosts reach it)",
+    )
     add("--port", type=_port, default=None, help="rendezvous port (default: a free local port)")
     add("--no-prefix", action="store_true", help="do not prefix output lines with [rank]<stream>:")
     add("--grace", type=_seconds, default=3.0, metavar="SECONDS", help="SIGTERM to SIGKILL delay (default 3)")
@@ -183,8 +240,38 @@ def build_parser() -> argparse.ArgumentParser:
         "the usable CPUs, or on CPU r mod CPUs when ranks outnumber them; none: let the "
         "scheduler place the ranks",
     )
+    _add_host_options(parser)
     add("command", nargs=argparse.REMAINDER, help="the program to run and its arguments (after -- if needed)")
     return parser
+
+
+def _add_host_options(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "-H",
+        "--host",
+        dest="hosts",
+        metavar="HOST:N,...",
+        help="run across hosts, N ranks (slots) each, e.g. -H hostA:4,hostB:4 (N defaults to 1)",
+    )
+    where.add_argument("--hostfile", metavar="FILE", help="hosts from FILE, one 'host slots=N' a line")
+    add = parser.add_argument
+    add(
+        "-x",
+        dest="exports",
+        action="append",
+        default=[],
+        metavar="VAR[=VALUE]",
+        help="give every rank VAR (this environment's value, or VALUE), as mpirun -x; repeatable",
+    )
+    add(
+        "--network-interface",
+        metavar="NIC",
+        help="interface the ranks use (RINGCORE_IFNAME); the rendezvous address is its address on the first host",
+    )
+    add("--ssh-port", type=_port, metavar="PORT", help="ssh port of the hosts (default: ssh's)")
+    add("--ssh-identity-file", metavar="FILE", help="private key for ssh (default: ssh's)")
+    add("--ssh-args", default="", metavar="ARGS", help="more ssh arguments, e.g. '-F ~/.ssh/cluster.conf'")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Options:
@@ -205,17 +292,43 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         command = command[1:]
     if not command:
         parser.error("no command given; e.g. ringcore-run -np 2 python train.py")
+    try:
+        size, slots = hosts.placement(args.size, args.hosts, args.hostfile)
+    except hosts.HostError as err:
+        parser.error(str(err))
+    if args.network_interface is not None and not re.fullmatch(r"[^\s,/]+", args.network_interface):
+        parser.error(f"--network-interface {args.network_interface!r}: give one interface name, e.g. eth0")
     port = args.port if args.port is not None else find_free_port()
     return Options(
-        args.size,
-        args.addr,
+        size,
+        args.addr or ("" if slots else "127.0.0.1"),
         port,
         not args.no_prefix,
         args.grace,
         args.timeout,
         command,
         bind=args.bind_to == "core",
+        slots=slots,
+        exports=_exports(parser, args.exports),
+        ifname=args.network_interface,
+        ssh=SshOptions(args.ssh_port, args.ssh_identity_file, tuple(shlex.split(args.ssh_args))),
     )
+
+
+def _exports(parser: argparse.ArgumentParser, items: list[str]) -> tuple[tuple[str, str], ...]:
+    """``-x VAR`` / ``-x VAR=VALUE`` as pairs; a VAR this environment lacks is skipped with a warning."""
+    found = []
+    for item in items:
+        name, equals, value = item.partition("=")
+        if not _VARIABLE.fullmatch(name):
+            parser.error(f"-x {item!r}: write -x VAR or -x VAR=VALUE")
+        if equals:
+            found.append((name, value))
+        elif name in os.environ:
+            found.append((name, os.environ[name]))
+        else:
+            print(f"{PROG}: warning: -x {name}: not set here, not forwarded", file=sys.stderr)
+    return tuple(found)
 
 
 def find_free_port() -> int:
@@ -240,28 +353,49 @@ def rank_env(base: Mapping[str, str], options: Options, rank: int) -> dict[str, 
         options: The job's options.
         rank: The rank, in ``0..options.size - 1``.
     """
+    slot = options.slot(rank)
     env = dict(base)
+    env.update(options.exports)
     env.update(
         RINGCORE_SECRET=options.secret,
         RINGCORE_RANK=str(rank),
         RINGCORE_SIZE=str(options.size),
-        RINGCORE_LOCAL_RANK=str(rank),
-        RINGCORE_LOCAL_SIZE=str(options.size),
+        RINGCORE_LOCAL_RANK=str(slot.local_rank),
+        RINGCORE_LOCAL_SIZE=str(slot.local_size),
         RINGCORE_ADDR=options.addr,
         RINGCORE_PORT=str(options.port),
         PYTHONUNBUFFERED="1",
     )
-    torch_vars = {
-        "RANK": rank,
-        "WORLD_SIZE": options.size,
-        "LOCAL_RANK": rank,
-        "LOCAL_WORLD_SIZE": options.size,
-        "MASTER_ADDR": options.addr,
-        "MASTER_PORT": options.master_port,
-    }
-    for name, value in torch_vars.items():
+    if options.ifname:
+        env["RINGCORE_IFNAME"] = options.ifname
+    torch_values = (rank, options.size, slot.local_rank, slot.local_size, options.addr, options.master_port)
+    for name, value in zip(TORCH_VARS, torch_values, strict=True):
         env.setdefault(name, str(value))
     return env
+
+
+def remote_env(options: Options, rank: int) -> dict[str, str]:
+    """What a remote ``rank`` adds to its login's environment: :func:`rank_env` less the launcher's own."""
+    keep = {*TORCH_VARS, "PYTHONUNBUFFERED", *(name for name, _ in options.exports)}
+    env = rank_env(os.environ, options, rank)
+    return {name: value for name, value in env.items() if name.startswith("RINGCORE_") or name in keep}
+
+
+def find_rendezvous(options: Options) -> Options:
+    """Fill in the rendezvous address that ``-H``/``--hostfile`` left to the launcher
+    (:func:`ringcore.hosts.rendezvous_address`).
+
+    Raises:
+        LaunchError: The address cannot be found (exit 255, as ssh's).
+    """
+    if options.addr:
+        return options
+    ask = functools.partial(remote.interface_address, ssh=options.ssh)
+    try:
+        addr = hosts.rendezvous_address(options.slots, options.ifname, ask)
+    except (hosts.HostError, RemoteError) as err:
+        raise LaunchError(f"no rendezvous address: {err}", EXIT_SSH) from None
+    return dataclasses.replace(options, addr=addr)
 
 
 # --------------------------------------------------------------------------- output
@@ -332,45 +466,108 @@ class LaunchError(Exception):
 
 
 class Job:
-    """The running ranks: their processes, output pumps and exit events."""
+    """The running ranks: their processes (a local rank's own, a remote rank's ssh), output pumps and exit events."""
 
     def __init__(self, sink: Sink) -> None:
         self.sink = sink
         self.procs: list[subprocess.Popen[bytes]] = []
         self.exits: dict[int, int] = {}
+        self.remote: dict[int, RemoteRank] = {}
+        self.hosts: dict[int, str] = {}  # rank -> host, when -H/--hostfile named them
+        self._marker = f"\0ringcore-rank-{secrets.token_hex(4)}:"  # the agents' reports (ringcore.rank_agent)
         self._events: queue.Queue[tuple[int, int]] = queue.Queue()
         self._threads: list[threading.Thread] = []
 
-    def start(self, options: Options) -> None:
+    def start(self, options: Options, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Start every rank; on failure stop those already started and raise.
 
+        Args:
+            options: The job.
+            should_stop: Polled while remote starts wait for room (:data:`ringcore.remote.MAX_STARTUPS`
+                per host); true (the launcher got a signal): start no more ranks.
+
         Raises:
-            LaunchError: The command was not found or is not executable.
+            LaunchError: The command (or ssh) was not found or is not executable.
         """
-        cores = rank_cores(options.size) if options.bind else None
-        for rank in range(options.size):
+        slots = [options.slot(rank) for rank in range(options.size)]
+        shares = {
+            slot.local_size: rank_cores(slot.local_size) for slot in slots if slot.local and options.bind
+        }
+        for slot in slots:
+            if options.slots:
+                self.hosts[slot.rank] = slot.host
             try:
-                with _bound_to(cores[rank] if cores else None):
-                    proc = _spawn(options, rank)
+                if slot.local:
+                    with _bound_to(shares[slot.local_size][slot.local_rank] if options.bind else None):
+                        proc = _spawn(options, slot.rank)
+                    self.procs.append(proc)
+                    self._watch(slot.rank, proc)
+                elif self._startup_room(slot.host, should_stop):
+                    self._start_remote(options, slot)
+                else:
+                    return
             except LaunchError:
                 self.stop(options.grace)
                 raise
-            self.procs.append(proc)
-            self._watch(rank, proc)
 
     def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         self._thread(_pump, proc.stdout, self.sink, rank, "stdout")
         self._thread(_pump, proc.stderr, self.sink, rank, "stderr")
         self._thread(self._wait, rank, proc)
 
-    def _thread(self, target: Callable[..., None], *args: object) -> None:
+    def _start_remote(self, options: Options, slot: hosts.Slot) -> None:
+        job = {
+            "marker": self._marker,
+            "env": remote_env(options, slot.rank),
+            "argv": options.command,
+            "cwd": os.getcwd(),
+            "grace": options.grace,
+            "bind": [slot.local_rank, slot.local_size] if options.bind else None,
+        }
+        try:
+            rank = RemoteRank.start(slot.rank, slot.host, options.ssh, job)
+        except RemoteError as err:
+            raise LaunchError(str(err), EXIT_NOT_FOUND) from None
+        self.procs.append(rank.proc)
+        self.remote[slot.rank] = rank
+        self._thread(_pump, rank.proc.stdout, self.sink, slot.rank, "stdout")
+        stderr = self._thread(rank.pump_stderr, functools.partial(self.sink.rank_line, slot.rank, "stderr"))
+        self._thread(self._wait_remote, rank, stderr)
+
+    def _startup_room(self, host: str, should_stop: Callable[[], bool]) -> bool:
+        """Wait until fewer than MAX_STARTUPS sessions to ``host`` are starting; false if told to stop."""
+        while (
+            sum(r.host == host and not r.started.is_set() for r in self.remote.values())
+            >= remote.MAX_STARTUPS
+        ):
+            if should_stop():
+                return False
+            time.sleep(POLL_SECONDS)
+        return True
+
+    def _thread(self, target: Callable[..., None], *args: object) -> threading.Thread:
         thread = threading.Thread(target=target, args=args, daemon=True)
         thread.start()
         self._threads.append(thread)
+        return thread
 
     def _wait(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         # One waiter per rank: events reach the queue in the order ranks exited.
         self._events.put((rank, proc.wait()))
+
+    def _wait_remote(self, rank: RemoteRank, stderr: threading.Thread) -> None:
+        ssh_code = rank.proc.wait()
+        stderr.join(DRAIN_SECONDS)  # the agent's report is the last line on ssh's stderr
+        rank.started.set()
+        self._events.put((rank.rank, rank.returncode(ssh_code)))
+
+    def describe(self, rank: int, returncode: int) -> tuple[str, int]:
+        """How ``rank`` ended, naming its host when hosts were given, and the launcher's exit code for it."""
+        where = f"rank {rank} on {self.hosts[rank]}" if rank in self.hosts else f"rank {rank}"
+        how, code = describe_exit(returncode)
+        if rank in self.remote and self.remote[rank].code is None:
+            return f"{where}: ssh {how} before the rank reported how it ended (see its stderr)", code
+        return f"{where} {how}", code
 
     def collect(self, timeout: float) -> list[tuple[int, int]]:
         """Wait up to ``timeout`` s for exits; return new ``(rank, returncode)`` in exit order."""
@@ -407,19 +604,33 @@ class Job:
         """
         targets = [rank for rank in range(len(self.procs)) if self._alive(rank)]
         self._signal(targets, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(map(self._alive, targets)):
-            self.collect(POLL_SECONDS)
+        self._await(targets, grace)
+        self._signal(
+            [rank for rank in targets if self._alive(rank) and rank not in self.remote], signal.SIGKILL
+        )
+        # A remote rank's agent kills it after its own grace and reports; ssh goes only if it never does.
+        self._await([rank for rank in targets if rank in self.remote], REMOTE_SLACK)
         self._signal([rank for rank in targets if self._alive(rank)], signal.SIGKILL)
         while not self.done():
             self.collect(POLL_SECONDS)
 
+    def _await(self, ranks: list[int], seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and any(map(self._alive, ranks)):
+            self.collect(POLL_SECONDS)
+
     def _signal(self, ranks: list[int], signum: int) -> None:
         for rank in ranks:
+            if rank in self.remote:
+                # SIGTERM: close the session's stdin, the agent stops the rank; SIGKILL: kill ssh.
+                (self.remote[rank].stop if signum == signal.SIGTERM else self.remote[rank].kill)()
+                continue
             with contextlib.suppress(ProcessLookupError, PermissionError):  # group already gone
                 os.killpg(self.procs[rank].pid, signum)
 
     def _alive(self, rank: int) -> bool:
+        if rank in self.remote:
+            return rank not in self.exits  # ssh ends after the agent has stopped the rank's whole group
         # Once the leader is reaped its PID stays reserved while its group has members.
         return rank not in self.exits or _group_alive(self.procs[rank].pid)
 
@@ -428,15 +639,6 @@ class Job:
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-
-
-def rank_cores(size: int) -> list[set[int]]:
-    """Each rank's CPUs: disjoint equal shares of the usable CPUs, or one each, round robin, when crowded."""
-    usable = sorted(os.sched_getaffinity(0))
-    if size > len(usable):
-        return [{usable[rank % len(usable)]} for rank in range(size)]
-    share = len(usable) // size
-    return [set(usable[rank * share : (rank + 1) * share]) for rank in range(size)]
 
 
 @contextlib.contextmanager
@@ -548,8 +750,8 @@ def supervise(job: Job, options: Options, catcher: SignalCatcher) -> int:
     while not job.done():
         failure = next(((rank, rc) for rank, rc in job.collect(POLL_SECONDS) if rc != 0), None)
         if failure is not None:
-            how, code = describe_exit(failure[1])
-            return _stop(job, options, f"rank {failure[0]} {how}", code)
+            how, code = job.describe(*failure)
+            return _stop(job, options, how, code)
         if catcher.signum is not None:
             name = signal.Signals(catcher.signum).name
             return _stop(job, options, f"received {name}", 128 + catcher.signum)
@@ -572,14 +774,15 @@ def main(argv: list[str] | None = None) -> int:
         argv: Arguments without the program name; ``None`` reads ``sys.argv``.
 
     Returns:
-        The exit code: 0, the first failing rank's code, 124, 126, 127, 130 or 143.
+        The exit code: 0, the first failing rank's code, 124, 126, 127, 130, 143 or 255.
     """
     options = parse_args(argv)
     sink = Sink(sys.stdout, sys.stderr, options.prefix)
     job = Job(sink)
     with SignalCatcher().installed() as catcher:
         try:
-            job.start(options)
+            options = find_rendezvous(options)
+            job.start(options, lambda: catcher.signum is not None)
         except LaunchError as exc:
             job.join()
             sink.message(str(exc))
