@@ -23,11 +23,8 @@ its joining connection closes: it died). A rank that joins again while the
 store still serves the job it left, or while the store is retiring, is told
 to retry, and reconnects until its init deadline. Rank 0's shutdown
 *retires* its server: it waits until every member has left (at most
-``RETIRE_GRACE`` s), then closes it, so nothing of one job leaks into the
-next; its listening socket on a fixed port is kept ``PARK_GRACE`` s for
-rank 0's next ``init()``, so the port is never free in between for some
-connection's ephemeral port to take (launchers often pick ports in that
-range).
+``RETIRE_GRACE`` s), then closes, so its next ``init()`` binds the address
+afresh and nothing of one job leaks into the next.
 """
 
 from __future__ import annotations
@@ -54,7 +51,6 @@ _LENGTH = struct.Struct("<I")
 MAX_MESSAGE = 1024 * 1024
 MAX_PENDING_HANDSHAKES = 64
 RETIRE_GRACE = 10.0  # seconds a retiring store waits for members that have not left
-PARK_GRACE = 2.0  # seconds a retired store's listening socket waits for this process's next store
 REJECTED_KEY = "ringcore/rejected"
 _LEFT = "left"
 
@@ -100,12 +96,8 @@ class StoreServer:
         self.cond = threading.Condition()
         self.members: dict[int, Any] = {}  # rank -> its pid, or _LEFT once it has left
         self.retiring = False
-        self.listener = _adopt(host, port) or socket.create_server(
-            (host, port), family=_family(host), reuse_port=False
-        )
-        self.listener.settimeout(_ACCEPT_POLL)  # the accept loop checks `accepting` this often
-        self.accepting = True
-        self.host, self.port, self.fixed_port = host, self.listener.getsockname()[1], port != 0
+        self.listener = socket.create_server((host, port), family=_family(host), reuse_port=False)
+        self.host, self.port = host, self.listener.getsockname()[1]
         self.clients: set[socket.socket] = set()  # live connections, so close() can end them
         self.clients_lock = threading.Lock()
         self.closed = False
@@ -115,11 +107,9 @@ class StoreServer:
         self.thread.start()
 
     def _accept_loop(self) -> None:
-        while self.accepting and not self.closed:
+        while not self.closed:
             try:
                 sock, address = self.listener.accept()
-            except TimeoutError:
-                continue
             except OSError:
                 return
             if not self.pending.acquire(blocking=False):
@@ -214,14 +204,7 @@ class StoreServer:
                 self.cond.notify_all()
 
     def retire(self, grace: float = RETIRE_GRACE) -> None:
-        """Rank 0 shuts down: refuse new members, wait until every member has left (``grace`` s at most), close.
-
-        The listening socket of a store on a fixed port is kept for ``PARK_GRACE``
-        s: this process's next store at that address takes it over, so the port
-        is never free for another socket to take in between (a connection's
-        ephemeral port, when the launcher's port is in that range). Connections
-        that arrive meanwhile wait in its backlog for the next store.
-        """
+        """Rank 0 shuts down: refuse new members, wait until every member has left (``grace`` s at most), close."""
         deadline = time.monotonic() + grace
         with self.cond:
             self.retiring = True
@@ -231,7 +214,7 @@ class StoreServer:
                     log.debug("store: closing with ranks that did not leave: %s", self.members)
                     break
                 self.cond.wait(remaining)
-        self.close(keep_listener=self.fixed_port)
+        self.close()
 
     def _dispatch(self, request: Any) -> list[Any]:
         if not isinstance(request, list) or not request or not isinstance(request[0], str):
@@ -267,28 +250,19 @@ class StoreServer:
                 self.cond.wait(min(remaining, 1.0))
             return ["ok", self.data[key]]
 
-    def close(self, reason: str | None = None, keep_listener: bool = False) -> None:
-        """Stop serving; clients waiting for a key get ``reason`` (why rank 0 gave up) if given.
-
-        ``keep_listener``: park the listening socket for this process's next store (see :meth:`retire`).
-        """
+    def close(self, reason: str | None = None) -> None:
+        """Stop serving; clients waiting for a key get ``reason`` (why rank 0 gave up) if given."""
         if reason is not None:
             with self.cond:
                 self.failure = reason
                 self.cond.notify_all()
             time.sleep(0.2)  # let waiting clients read the reason before their connections go
-        self.accepting = False
-        if keep_listener:
-            self.thread.join(timeout=5)  # it sees `accepting` within _ACCEPT_POLL
         self.closed = True
         with self.cond:
             self.cond.notify_all()
-        if keep_listener and not self.thread.is_alive():
-            _park(self.host, self.port, self.listener)
-        else:
-            with contextlib.suppress(OSError):
-                self.listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
-            self.listener.close()
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        self.listener.close()
         with self.clients_lock:
             clients, self.clients = list(self.clients), set()
         for sock in clients:
@@ -299,41 +273,6 @@ class StoreServer:
         deadline = time.monotonic() + 5
         for thread in self.threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-
-
-_ACCEPT_POLL = 0.05
-_parked: dict[tuple[str, int], tuple[socket.socket, threading.Timer]] = {}
-_parked_lock = threading.Lock()
-
-
-def _park(host: str, port: int, listener: socket.socket) -> None:
-    """Keep a retired store's listening socket for ``PARK_GRACE`` s (see ``StoreServer.retire``)."""
-    timer = threading.Timer(PARK_GRACE, _unpark, (host, port, listener))
-    timer.daemon = True
-    with _parked_lock:
-        _parked[(host, port)] = (listener, timer)
-    timer.start()
-
-
-def _unpark(host: str, port: int, listener: socket.socket) -> None:
-    with _parked_lock:
-        entry = _parked.get((host, port))
-        if entry is None or entry[0] is not listener:
-            return  # adopted meanwhile
-        del _parked[(host, port)]
-    listener.close()
-
-
-def _adopt(host: str, port: int) -> socket.socket | None:
-    """The listening socket this process's last store at ``host:port`` parked, if it is still there."""
-    if not port:
-        return None
-    with _parked_lock:
-        entry = _parked.pop((host, port), None)
-    if entry is None:
-        return None
-    entry[1].cancel()
-    return entry[0]
 
 
 # --------------------------------------------------------------------------- client
