@@ -28,6 +28,7 @@ there: the mesh is then as private as the framework's store is.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import secrets
@@ -276,13 +277,28 @@ def _secret(settings: Settings) -> bytes:
 
 
 def _start_server(world: WorldSpec, key: bytes, settings: Settings, tls: Any) -> StoreServer:
-    try:
-        return StoreServer(world.addr, world.port, key, settings.handshake_timeout, tls)
-    except OSError as err:
-        raise ConfigError(
-            f"rank 0 could not serve the rendezvous store on {world.addr}:{world.port} ({err.strerror}); "
-            "is another job using that port? Set RINGCORE_PORT (or MASTER_PORT) to a free one"
-        ) from None
+    """Rank 0's store, retrying a port in use for ``_BIND_PATIENCE`` s.
+
+    Between two jobs at one fixed address the port is free for a moment, and
+    launchers often pick ports in the kernel's ephemeral range, where a
+    connection being made on this host (a peer's connect, which the store
+    refuses while down) may take it as its local port for as long as it lives.
+    """
+    deadline = time.monotonic() + min(_BIND_PATIENCE, settings.init_timeout)
+    while True:
+        try:
+            return StoreServer(world.addr, world.port, key, settings.handshake_timeout, tls)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE and world.port and time.monotonic() < deadline:
+                time.sleep(_REJOIN_DELAY)
+                continue
+            raise ConfigError(
+                f"rank 0 could not serve the rendezvous store on {world.addr}:{world.port} ({err.strerror}); "
+                "is another job using that port? Set RINGCORE_PORT (or MASTER_PORT) to a free one"
+            ) from None
+
+
+_BIND_PATIENCE = 5.0
 
 
 # Settings that choose a collective's algorithm or slices: ranks that differ on one would run

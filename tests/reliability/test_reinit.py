@@ -10,7 +10,9 @@ threads come back to where they were.
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,26 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import free_port
+
+
+def master_port() -> int:
+    """A MASTER_PORT whose next port (ringcore's store under torchrun) is free too, below the ephemeral range.
+
+    A port from ``free_port()`` is an ephemeral one, and its neighbour may be the local
+    port of any connection on the host for as long as that lives.
+    """
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, 32000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two free ports in 20000-32000")
+
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = str(Path(__file__).with_name("reinit_job.py"))
@@ -44,7 +66,7 @@ def _assert_cycled(output: str, size: int) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("size", [2, 3])
 def test_cycles_under_torchrun_variables(size: int) -> None:
-    port = str(free_port())
+    port = str(master_port())
     procs = [
         subprocess.Popen(
             [sys.executable, JOB, str(CYCLES)],
