@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 
 # torch (CPU) adds the torch-tensor, ringcore.torch and torchrun tests; without it they skip.
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,ray]'
 	$(BIN)/pip install -q torch==2.13.0 || echo "torch==2.13.0 not installed: torch tests will be skipped"
 	touch $@
 
