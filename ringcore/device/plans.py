@@ -1,7 +1,8 @@
 """Allreduce and broadcast on device buffers: the host plans' steps, with device arrays and staging.
 
-The schedules are the host ones (same choice of ring or recursive doubling,
-same segments), so a mixed ring of host and device ranks agrees bit for bit.
+The slices and schedules are the host ones (same slices, same choice of ring
+or recursive doubling, same segments), so a mixed ring of host and device
+ranks agrees bit for bit at every size.
 Differences: WORK and STAGE live in device memory (per communicator, reused),
 the kernels are the device layer's, the executor is the staged one, and the
 collective waits for the buffer's producer stream before reading it and for
@@ -68,8 +69,13 @@ class DeviceContext:
 
 
 def allreduce(comm: Communicator, desc: Descriptor, buffer: Buffer, op: ReduceOp, comp: Compression) -> None:
-    """In-place allreduce of a device buffer (``comm.size > 1``)."""
-    from ringcore.collectives import allreduce_schedule, failure_note, writes_user
+    """In-place allreduce of a device buffer (``comm.size > 1``), in the host plan's slices.
+
+    The slices, each slice's schedule and its tags are the host plan's
+    (``collectives.slice_bounds``, ``allreduce_schedule``), so host and device
+    ranks share a ring at every size, and device scratch is one slice's.
+    """
+    from ringcore.collectives import allreduce_schedule, note_failure, slice_bounds, writes_user
 
     ctx = comm.device_context()
     user = ctx.layer.wrap(buffer)  # first: it tells the layer which GPU this process uses
@@ -77,30 +83,44 @@ def allreduce(comm: Communicator, desc: Descriptor, buffer: Buffer, op: ReduceOp
         ctx.layer.after_producer(ctx.staging.compute, buffer)
         reducer = ctx.reducer(buffer.dtype, op, comp)
         in_place = reducer.wire_dtype == buffer.dtype.storage
-        schedule = allreduce_schedule(comm, buffer.count, reducer.wire_dtype.itemsize, in_place)
-        arrays = ctx.scratch_arrays(schedule, user, reducer.wire_dtype)
-        if schedule.prefill_work:
-            reducer.convert(arrays[Buf.WORK], user)
-        exposed = buffer.count if writes_user(schedule) and not comm.settings.atomic else 0
-        with failure_note(0, exposed, buffer.count):
-            comm.execute(desc, schedule, arrays, reducer, staging=ctx.staging)
-        if schedule.result is not None and schedule.result.buf != Buf.USER:
-            reducer.convert(user, arrays[Buf.WORK])
+        itemsize = reducer.wire_dtype.itemsize
+        bounds = slice_bounds(buffer.count, comm.allreduce_slice_bytes, itemsize)
+        for part, (start, count) in enumerate(bounds):
+            piece = user[start : start + count]
+            schedule = allreduce_schedule(comm, count, itemsize, in_place, sliced=len(bounds) > 1)
+            arrays = ctx.scratch_arrays(schedule, piece, reducer.wire_dtype)
+            if schedule.prefill_work:
+                reducer.convert(arrays[Buf.WORK], piece)
+            try:
+                comm.execute(desc, schedule, arrays, reducer, sub=part, staging=ctx.staging)
+            except BaseException as err:
+                exposed = count if writes_user(schedule) and not comm.settings.atomic else 0
+                note_failure(err, start, exposed, buffer.count)
+                raise
+            if schedule.result is not None and schedule.result.buf != Buf.USER:
+                reducer.convert(piece, arrays[Buf.WORK])
         ctx.layer.synchronize(ctx.staging.compute)
 
 
 def broadcast(comm: Communicator, desc: Descriptor, buffer: Buffer, root: int) -> None:
-    """In-place broadcast of a device buffer from ``root`` (``comm.size > 1``)."""
+    """In-place broadcast of a device buffer from ``root`` (``comm.size > 1``), in the host plan's slices."""
+    from ringcore.collectives import failure_note, slice_bounds
+
     ctx = comm.device_context()
     user = ctx.layer.wrap(buffer)  # first: it tells the layer which GPU this process uses
     with ctx.layer.context():
         ctx.layer.after_producer(ctx.staging.compute, buffer)
         reducer = ctx.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
-        schedule = chain.broadcast(
-            comm.rank, comm.size, root, buffer.count, buffer.dtype.itemsize, comm.settings.segment_size()
-        )
-        arrays = ctx.scratch_arrays(schedule, user, buffer.dtype.storage)
-        comm.execute(desc, schedule, arrays, reducer, staging=ctx.staging)
-        if schedule.result is not None:
-            ctx.layer.copy(user, arrays[Buf.WORK], ctx.staging.compute)
+        itemsize = buffer.dtype.itemsize
+        bounds = slice_bounds(buffer.count, comm.settings.scratch_slice_bytes(), itemsize)
+        for part, (start, count) in enumerate(bounds):
+            piece = user[start : start + count]
+            schedule = chain.broadcast(
+                comm.rank, comm.size, root, count, itemsize, comm.settings.segment_size()
+            )
+            arrays = ctx.scratch_arrays(schedule, piece, buffer.dtype.storage)
+            with failure_note(start, 0, buffer.count):
+                comm.execute(desc, schedule, arrays, reducer, sub=part, staging=ctx.staging)
+            if schedule.result is not None:
+                ctx.layer.copy(piece, arrays[Buf.WORK], ctx.staging.compute)
         ctx.layer.synchronize(ctx.staging.compute)

@@ -149,3 +149,23 @@ def test_dead_peer_leaves_the_gpu_buffer_untouched_except_what_the_note_names(at
         ((error, untouched, exposed),) = survivor.join()
         assert error in ("PeerFailure", "CollectiveTimeout") and untouched, (error, untouched)
         assert (exposed is None) == (atomic == "1"), exposed
+
+
+SLICED_ENV = {**RING_ENV, "RINGCORE_SLICE_BYTES": "64K", "RINGCORE_TIMEOUT": "20"}
+
+
+def test_mixed_ring_agrees_well_above_the_slice_size() -> None:
+    """240 KB of float32 in 64 KiB slices (120 KiB with fp16 on the wire): GPU ranks slice as host ranks do."""
+    size = 3
+    rng = np.random.default_rng(19)
+    inputs = list((rng.standard_normal((size, 60_000)) * 3).astype(np.float32))
+    with Cluster(size, env=SLICED_ENV) as cluster:
+        cluster.results(tasks.use_fake, 3)
+        for op, compression in (("sum", None), ("avg", "fp16")):
+            results = cluster.results(tasks.mixed_ring, inputs, op, compression)
+            host = cluster.results(host_tasks.allreduce, inputs, op, compression)
+            for result in results:
+                np.testing.assert_array_equal(result, host[0].view(np.uint32), err_msg=f"{op} {compression}")
+        broadcast = [np.arange(40_000, dtype=np.float64) * (r + 1) for r in range(size)]
+        for result in cluster.results(tasks.fake_broadcast, broadcast, 1):
+            np.testing.assert_array_equal(result, broadcast[1])
