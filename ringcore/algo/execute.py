@@ -23,8 +23,9 @@ thread combines segment k and sends it on. All waiting happens in
 ``transport.progress``; when nothing has moved for ``timeout`` seconds the run
 raises :class:`~ringcore.errors.CollectiveTimeout` naming what it waits for.
 A rank that could not run for longer than ``timeout`` (stopped, starved) and
-then finds a peer gone raises the timeout too (:func:`overslept`): its peers
-gave up on it, so the peer that closed is not the cause.
+then finds a peer gone raises the timeout too: its peers gave up on it, so
+the peer that closed is not the cause (:mod:`ringcore.algo.waiting`, the one
+wait loop every executor shares).
 
 Compression: a send from USER when the wire dtype differs first converts the
 segment into the same region of WORK (which is in the wire dtype).
@@ -47,7 +48,6 @@ an in-place schedule whose WORK cannot hold the backups.
 from __future__ import annotations
 
 import dataclasses
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -56,7 +56,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ringcore.algo.steps import Buf, Region, Schedule, Step
-from ringcore.errors import CollectiveTimeout, PeerFailure
+from ringcore.algo.waiting import Watch
+from ringcore.errors import PeerFailure
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.timeline import Timeline
 from ringcore.transport import wire
@@ -261,30 +262,22 @@ class Executor:
 
     def _run(self) -> None:
         self.transport.expect(self.seq_bits >> 32, self.signature)
-        last_moved = time.monotonic()
+        watch = Watch(self.transport, self.timeout, self.interrupt, self.pending)
         while True:
             try:
                 busy = self._post_sends() | self._post_recvs() | self._complete()
-                if not self.outstanding:
-                    if self.timeline is not None:
-                        self._record()
-                    return
-                if busy or self.timeline is None:
-                    moved = self.transport.progress(0.0 if busy else 0.5)
-                else:
-                    before = Timeline.now_us()
-                    moved = self.transport.progress(0.5)
-                    self.waited_us += Timeline.now_us() - before
-            except PeerFailure as err:
-                if (late := overslept(err, last_moved, self.timeout)) is not None:
-                    raise late from err
-                raise
-            if busy or moved:
-                last_moved = time.monotonic()
-            elif time.monotonic() - last_moved > self.timeout:
-                raise CollectiveTimeout(f"no progress for {self.timeout:g} s: {self.pending()}")
-            elif self.interrupt is not None and (reason := self.interrupt()):
-                raise CollectiveTimeout(reason)
+            except PeerFailure as err:  # a send or receive found the peer gone
+                watch.fail(err)
+            if not self.outstanding:
+                if self.timeline is not None:
+                    self._record()
+                return
+            if busy or self.timeline is None:
+                watch.progress(0.0 if busy else 0.5, busy)
+            else:
+                before = Timeline.now_us()
+                watch.progress(0.5)
+                self.waited_us += Timeline.now_us() - before
 
     def _view(self, key: Key) -> memoryview:
         return memoryview(self.arrays[key[0]][key[1] : key[2]]).cast("B")
@@ -456,19 +449,3 @@ class Executor:
             if posted
         ]
         return waits + [f"send to rank {route[0]}" for route, posted in self.posted_sends.items() if posted]
-
-
-def overslept(err: PeerFailure, last_moved: float, timeout: float) -> CollectiveTimeout | None:
-    """The timeout to raise instead of ``err``, if this rank had not moved since ``last_moved`` for too long.
-
-    A rank that was stopped or starved for longer than ``timeout`` could not
-    fire its own timer; its peers timed out on it and closed, so the peer
-    whose connection is gone is not the cause. None: ``err`` stands.
-    """
-    idle = time.monotonic() - last_moved
-    if idle <= timeout:
-        return None
-    return CollectiveTimeout(
-        f"no progress for {timeout:g} s: this rank did not run for {idle:.1f} s (stopped or starved),"
-        f" so its peers gave up on it; then {err}"
-    )

@@ -51,15 +51,14 @@ wait on this rank (the chain broadcast's forward and acknowledgement).
 from __future__ import annotations
 
 import dataclasses
-import time
 import weakref
 from collections.abc import Callable
 
 import numpy as np
 
-from ringcore.algo.execute import PerTransport, cached_per_transport, overslept
+from ringcore.algo.execute import PerTransport, cached_per_transport
 from ringcore.algo.steps import Buf, Region, Schedule
-from ringcore.errors import CollectiveTimeout, PeerFailure
+from ringcore.algo.waiting import Watch
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.transport import wire
 from ringcore.transport.base import Request, Transport
@@ -285,20 +284,9 @@ def _wait(
     timeout: float,
     interrupt: Callable[[], str | None] | None,
 ) -> None:
-    last_moved = time.monotonic()
+    watch = Watch(transport, timeout, interrupt, lambda: _pending(sent, received))
     while not ((sent is None or sent.done) and (received is None or received.done)):
-        try:
-            moved = transport.progress(0.5)
-        except PeerFailure as err:
-            if (late := overslept(err, last_moved, timeout)) is not None:
-                raise late from err
-            raise
-        if moved:
-            last_moved = time.monotonic()
-        elif time.monotonic() - last_moved > timeout:
-            raise CollectiveTimeout(f"no progress for {timeout:g} s: {_pending(sent, received)}")
-        elif interrupt is not None and (reason := interrupt()):
-            raise CollectiveTimeout(reason)
+        watch.progress(0.5)
 
 
 def _pending(sent: Request | None, received: Request | None) -> str:

@@ -32,7 +32,6 @@ buffering), all carved from one pinned arena per communicator.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -41,8 +40,9 @@ import numpy as np
 
 from ringcore.algo.execute import Executor, Item, Key, Program, Route, check_in_place, compile_program
 from ringcore.algo.steps import Buf, Schedule
+from ringcore.algo.waiting import Watch
 from ringcore.device.layer import DeviceArray, DeviceLayer, DeviceReducer, Event, Stream
-from ringcore.errors import CollectiveTimeout
+from ringcore.errors import PeerFailure
 from ringcore.transport.base import Request, Transport
 
 _USER, _WORK = int(Buf.USER), int(Buf.WORK)
@@ -166,19 +166,16 @@ class StagedExecutor(Executor):
 
     def _run(self) -> None:
         self.transport.expect(self.seq_bits >> 32, self.signature)
-        last_moved = time.monotonic()
+        watch = Watch(self.transport, self.timeout, self.interrupt, self.pending)
         while True:
-            busy = self._post_sends() | self._stage_out() | self._post_recvs() | self._complete()
+            try:
+                busy = self._post_sends() | self._stage_out() | self._post_recvs() | self._complete()
+            except PeerFailure as err:  # a send or receive found the peer gone
+                watch.fail(err)
             if not self.outstanding:
                 return
             device_work = any(self.downloading.values()) or bool(self.uploading)
-            moved = self.transport.progress(0.0 if busy or device_work else 0.5)
-            if busy or moved:
-                last_moved = time.monotonic()
-            elif time.monotonic() - last_moved > self.timeout:
-                raise CollectiveTimeout(f"no progress for {self.timeout:g} s: {self.pending()}")
-            elif self.interrupt is not None and (reason := self.interrupt()):
-                raise CollectiveTimeout(reason)
+            watch.progress(0.0 if busy or device_work else 0.5, busy)
 
     def _array(self, key: Key) -> DeviceArray:
         return self.arrays[key[0]][key[1] : key[2]]

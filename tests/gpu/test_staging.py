@@ -221,3 +221,31 @@ def test_fake_device_array_is_not_host_memory() -> None:
     array = FakeDeviceArray(np.zeros(4, np.float32))
     with pytest.raises(TypeError):
         memoryview(array)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_a_staged_rank_that_did_not_run_past_its_timeout_reports_the_timeout() -> None:
+    """The staged executor shares the wait loop: a rank stopped past its timeout that then finds its
+    peer gone reports the timeout (its peers gave up on it); a peer that fails while it runs is the cause."""
+    from ringcore.errors import PeerFailure
+    from tests.unit.test_executor import PeerGoneAfter
+
+    def run(nap: float) -> BaseException:
+        layer = make_layer("fake", seed=4)
+        staging = Staging(layer, 1024)
+        reducer = layer.reducer(DTYPES["float32"], ReduceOp.SUM, Compression.NONE, 2, staging.compute)
+        schedule = recursive_doubling.allreduce(0, 2, 4, 4, 1 << 20)
+        arrays = {
+            Buf.USER: to_device(layer, np.ones(4, np.float32)),
+            Buf.WORK: layer.empty(4, np.dtype(np.float32)),
+            Buf.STAGE: layer.empty(4, np.dtype(np.float32)),
+        }
+        transport = PeerGoneAfter(LoopbackNetwork(2, 1).transport(0), nap)
+        with pytest.raises((PeerFailure, CollectiveTimeout)) as caught:
+            StagedExecutor(transport, schedule, arrays, reducer, 5, SIGNATURE, 0.3, staging).run()
+        return caught.value
+
+    late = run(0.5)
+    assert isinstance(late, CollectiveTimeout) and "did not run" in str(late), late
+    fresh = run(0.0)
+    assert isinstance(fresh, PeerFailure) and fresh.peer == 1, fresh
