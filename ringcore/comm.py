@@ -160,6 +160,8 @@ class Communicator:
         self._views: dict[tuple[Any, ...], dict[Buf, np.ndarray]] = {}
         self._reducers: dict[tuple[str, ReduceOp, Compression], Reducer] = {}
         self._checked: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # layouts that validated (_allreduce_plan)
+        self._held: dict[tuple[Any, ...], int] = {}  # scratch bytes a layout in _checked keeps for itself
+        self._held_bytes = 0
         self._device: DeviceContext | None = None
         self.bound_barrier: latency.BoundBarrier | None = None  # made in the first barrier's turn
         self.progress = Progress()
@@ -234,13 +236,40 @@ class Communicator:
                 return layout.plan(buf, buffer)
             return collectives.plan_checked_allreduce(buf, buffer, reduce_op, comp)
         buffer, reduce_op, comp = collectives.check_allreduce(buf, op, compression)
-        if len(self._checked) >= _CHECKED_CACHE:
-            del self._checked[next(iter(self._checked))]  # the least recently used (_checked_layout)
         layout = latency.small_allreduce(self, buffer, reduce_op, comp) or bound.bound_allreduce(
             self, buffer, reduce_op, comp
         )
+        held = 2 * buffer.nbytes if isinstance(layout, latency.SmallAllreduce) else 0  # its own scratch
+        self._forget_layouts(held)
         self._checked[key] = (buffer.dtype, reduce_op, comp, layout)
+        if held:
+            self._held[key] = held
+            self._held_bytes += held
         return collectives.plan_checked_allreduce(buf, buffer, reduce_op, comp)
+
+    def _forget_layouts(self, incoming: int) -> None:
+        """Make room for a layout holding ``incoming`` bytes: forget the least recently used ones.
+
+        The cache keeps at most ``_CHECKED_CACHE`` layouts and, of the scratch small
+        layouts keep for themselves (two buffers of their size at most),
+        ``RINGCORE_PLAN_CACHE_BYTES``: training with ever new shapes (sequence
+        lengths, ragged batches) must not grow memory without bound.
+        """
+        limit = self.settings.plan_cache_bytes
+        while self._checked and (len(self._checked) >= _CHECKED_CACHE or self._held_bytes + incoming > limit):
+            oldest = next(iter(self._checked))  # the least recently used (_checked_layout)
+            del self._checked[oldest]
+            self._held_bytes -= self._held.pop(oldest, 0)
+
+    def plan_cache(self) -> dict[str, int]:
+        """What the layout cache holds: ``{"layouts": n, "scratch_bytes": bytes}`` (for tests and tuning)."""
+        return {"layouts": len(self._checked), "scratch_bytes": self._held_bytes}
+
+    def clear_plan_cache(self) -> None:
+        """Forget every remembered layout (their next call validates and plans again)."""
+        self._checked.clear()
+        self._held.clear()
+        self._held_bytes = 0
 
     def _checked_layout(
         self, buf: np.ndarray, op: Any, compression: Any
@@ -328,7 +357,7 @@ class Communicator:
             self.server.retire()  # serves until every rank has left: see ringcore.store
         self._scratch.clear()
         self._views.clear()
-        self._checked.clear()
+        self.clear_plan_cache()
         self._reducers.clear()
         self._device = None
         self.bound_barrier = None

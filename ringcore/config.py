@@ -74,6 +74,7 @@ class Settings:
     ib_port: int = 1
     ib_gid_index: int | None = None
     fusion_threshold: int = 8 * MIB  # ringcore.torch: bytes of small gradients packed into one allreduce
+    plan_cache_bytes: int = 32 * MIB  # scratch remembered small allreduce layouts may keep, in all
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -116,6 +117,7 @@ class Settings:
             ib_port=reader.int("RINGCORE_IB_PORT", cls.ib_port, minimum=1, maximum=255),
             ib_gid_index=reader.int("RINGCORE_IB_GID_INDEX", None, minimum=0, maximum=4095),
             fusion_threshold=reader.size("RINGCORE_FUSION_THRESHOLD", cls.fusion_threshold, minimum=0),
+            plan_cache_bytes=reader.size("RINGCORE_PLAN_CACHE_BYTES", cls.plan_cache_bytes, minimum=0),
         )
 
     def spin_seconds(self) -> float:

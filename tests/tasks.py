@@ -929,7 +929,7 @@ def allreduce_on_mixed_paths(
     out: dict[str, Any] = {"results": {}, "kept": []}
     for round_ in range(rounds):
         if (round_ + comm.rank) % 3 == 0:
-            comm._checked.clear()
+            comm.clear_plan_cache()
         for dtype, op, compression in cases:
             x = value(comm.rank, round_, count, dtype)
             assert comm.allreduce(x, op=op, compression=compression) is x
@@ -960,3 +960,15 @@ def async_new_arrays(comm: Any, inputs: list[np.ndarray]) -> tuple[np.ndarray, n
     late: list[str] = []
     gathered.add_done_callback(lambda h: late.append("at once"))  # already done: runs in this thread
     return gathered.wait(10), scattered.wait(10), seen + late
+
+
+def many_layouts(comm: Any, counts: list[int], calls: int) -> tuple[list[bool], dict[str, int]]:
+    """Allreduce (sum) float32 arrays of every length in ``counts``, ``calls`` times each; each result
+    checked against the exact sum, and the plan cache's size afterwards."""
+    ok = []
+    for count in counts:
+        for call in range(calls):
+            x = np.full(count, comm.rank + call, np.float32)
+            comm.allreduce(x)
+            ok.append(bool(np.all(x == sum(r + call for r in range(comm.size)))))
+    return ok, comm.plan_cache()

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests import tasks
 from tests.cluster import Cluster
 
 
@@ -97,3 +98,15 @@ def test_reusing_one_small_array_gives_numpy_results_and_the_same_refusals() -> 
         assert report["released"], "the communicator kept a reference to the caller's array"
         np.testing.assert_array_equal(report["prod"], np.full(7, 6**9, np.int64))  # 1*2*3, then cubed twice
         assert report["disagree"] == "MismatchError"
+
+
+@pytest.mark.timeout(120)
+def test_scratch_of_remembered_layouts_stays_within_its_bound() -> None:
+    """300 layouts of 16 B to 64 KiB, three calls each, under a 1 MiB bound: every result exact, and
+    the small layouts' own scratch never above the bound (it grew without one: +352 MiB for 4096)."""
+    counts = [4 + 54 * i for i in range(300)]  # 16 B .. 64 KiB of float32
+    with Cluster(2, env={"RINGCORE_PLAN_CACHE_BYTES": "1M"}) as cluster:
+        for ok, cache in cluster.results(tasks.many_layouts, counts, 3):
+            assert all(ok)
+            assert 0 < cache["scratch_bytes"] <= 1 << 20, cache
+            assert cache["layouts"] < len(counts), cache  # the oldest were forgotten
