@@ -70,7 +70,6 @@ class Watch:
             raise CollectiveTimeout(reason)
         return moved
 
-
     def fail(self, err: PeerFailure) -> NoReturn:
         """Raise ``err``, seen while posting or progressing, or the timeout if this rank overslept."""
         late = overslept(err, self.last_moved, self.timeout)
