@@ -9,7 +9,9 @@ byte is sent, with a ``TypeError`` (wrong kind of object or dtype) or a
 
 ``Buffer.device`` is where the memory lives. GPU memory (``device="cuda"``)
 arrives through ``__cuda_array_interface__`` (CuPy, torch CUDA tensors,
-Numba) or a CUDA DLPack capsule; it is validated here from the interface
+Numba), or a CUDA DLPack capsule, which the collectives first import
+through the device layer (this module knows no device code);
+it is validated here from the interface
 alone, with the same errors as host memory, and described by a device
 pointer (``Buffer.ptr``): nothing is imported, no GPU is touched, until the
 collective runs on the device path (:mod:`ringcore.device`).
@@ -223,18 +225,32 @@ def _is_cuda(obj: Any) -> bool:
     return False
 
 
+def dlpack_only_cuda(obj: Any) -> bool:
+    """CUDA memory exported through DLPack but not ``__cuda_array_interface__`` (JAX): the device layer imports it."""
+    if isinstance(obj, np.ndarray):
+        return False
+    try:
+        if hasattr(obj, "__cuda_array_interface__"):
+            return False
+    except Exception:  # torch raises for tensors it cannot describe: they have the interface
+        return False
+    try:
+        return hasattr(obj, "__dlpack_device__") and int(obj.__dlpack_device__()[0]) in _DLPACK_CUDA
+    except Exception:
+        return False
+
+
 def _cuda_buffer(obj: Any, writable: bool, what: str) -> Buffer:
-    """A ``device="cuda"`` buffer from ``__cuda_array_interface__`` (or DLPack, through the device layer)."""
+    """A ``device="cuda"`` buffer from ``__cuda_array_interface__``."""
     owner, name = obj, None
     if str(getattr(obj, "dtype", "")) == "torch.bfloat16":  # the interface has no bfloat16 typestr
         obj, name = obj.view(getattr(sys.modules.get("torch"), "int16", None)), "bfloat16"
     try:
         iface = obj.__cuda_array_interface__
-    except AttributeError:  # DLPack only (e.g. JAX): let the device layer import it
-        from ringcore import device
-
-        obj = device.layer().from_dlpack(obj)
-        iface = obj.__cuda_array_interface__
+    except AttributeError:  # DLPack only (e.g. JAX): ringcore.device.as_buffer imports it first
+        raise TypeError(
+            f"{what} is CUDA memory exported through DLPack only; pass it to a collective, which imports it through the device layer"
+        ) from None
     except RuntimeError as err:
         hint = " (call .detach() first)" if "grad" in str(err) else ""
         raise TypeError(

@@ -38,7 +38,8 @@ import numpy as np
 from ringcore.algo import broadcast as chain
 from ringcore.algo import halving_doubling, recursive_doubling, ring
 from ringcore.algo.steps import Buf, Schedule, chunk_bounds
-from ringcore.buffers import DTYPES, Buffer, as_buffer
+from ringcore.buffers import DTYPES, Buffer, dlpack_only_cuda
+from ringcore.buffers import as_buffer as _view
 from ringcore.descriptor import Descriptor
 from ringcore.errors import MismatchError
 from ringcore.ops import Compression, ReduceOp
@@ -56,6 +57,15 @@ class Plan:
     name: str | None = None
     nbytes: int = 0
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def as_buffer(obj: Any, *, writable: bool, what: str) -> Buffer:
+    """:func:`ringcore.buffers.as_buffer`, after the device layer imported DLPack-only CUDA memory (JAX)."""
+    if dlpack_only_cuda(obj):
+        from ringcore import device
+
+        obj = device.layer().from_dlpack(obj)
+    return _view(obj, writable=writable, what=what)
 
 
 def _check_reduction(buffer: Buffer, op: ReduceOp, compression: Compression, what: str) -> None:

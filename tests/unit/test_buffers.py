@@ -127,7 +127,8 @@ def test_gpu_buffers_are_described_not_touched() -> None:
 
 
 def test_cuda_dlpack_goes_through_the_device_layer() -> None:
-    from ringcore import device
+    """The collectives import DLPack-only CUDA memory through the device layer; buffers knows no device code."""
+    from ringcore import collectives, device
     from ringcore.device.fake import FakeLayer
 
     class CudaDLPack:  # a CUDA-only DLPack producer (its bytes are host memory, for the fake layer)
@@ -143,7 +144,9 @@ def test_cuda_dlpack_goes_through_the_device_layer() -> None:
     data = np.arange(6, dtype=np.float64)
     previous = device.use(FakeLayer())
     try:
-        buf = as_buffer(CudaDLPack(data), writable=True)
+        buf = collectives.as_buffer(CudaDLPack(data), writable=True, what="x")
+        with pytest.raises(TypeError, match="DLPack only"):
+            as_buffer(CudaDLPack(data), writable=True)
     finally:
         device.use(previous)
     assert (buf.device, buf.ptr, buf.count, buf.dtype.name) == ("cuda", data.ctypes.data, 6, "float64")
