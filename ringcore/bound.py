@@ -36,12 +36,12 @@ collective), so a failure's note says the same: which slices already hold
 the result, and which elements may hold partial sums.
 
 Scratch. A layout keeps no memory of its own. Each call takes the views of
-the communicator's pools (``Communicator.scratch_views``), which are dropped
+the communicator's pools (``Context.scratch_views``), which are dropped
 whenever a pool grows, so a remembered layout never keeps an outgrown pool
 alive.
 
 Failure. It is the same as the general plan's. A failure is translated and
-broadcast by ``Communicator.fail``, and its error gets the note that names
+broadcast by ``Context.fail``, and its error gets the note that names
 the elements that may hold partial sums (:func:`ringcore.collectives.note_failure`).
 """
 
@@ -60,14 +60,14 @@ from ringcore.latency import KeptAllreduce, can_keep, run_steps
 from ringcore.ops import Compression, ReduceOp
 
 if TYPE_CHECKING:
-    from ringcore.comm import Communicator
+    from ringcore.context import Context
 
 
 class BoundAllreduce(KeptAllreduce):
     """One in-place allreduce layout above the small limit; planned in its first turn."""
 
-    def __init__(self, comm: Communicator, buffer: Buffer, op: ReduceOp, compression: Compression) -> None:
-        super().__init__(comm, buffer, op, compression)
+    def __init__(self, ctx: Context, buffer: Buffer, op: ReduceOp, compression: Compression) -> None:
+        super().__init__(ctx, buffer, op, compression)
         self.pieces: tuple[tuple[int, int, Schedule, lockstep.Compiled], ...] | None = None  # per slice
 
     @property
@@ -78,18 +78,18 @@ class BoundAllreduce(KeptAllreduce):
     def _run_flat(self, flat: np.ndarray, seq: int) -> None:
         """``run`` on the flat storage view (``Buffer.array``), slice by slice as the general plan."""
         assert self.pieces is not None
-        comm, wire_dtype, atomic = self.comm, self.reducer.wire_dtype, self.comm.settings.atomic
+        ctx, wire_dtype, atomic = self.ctx, self.reducer.wire_dtype, self.ctx.settings.atomic
         for part, (start, count, schedule, compiled) in enumerate(self.pieces):
             arrays = {
-                **comm.scratch_views(schedule.scratch, count, wire_dtype),
+                **ctx.scratch_views(schedule.scratch, count, wire_dtype),
                 Buf.USER: flat[start : start + count],
             }
             try:
                 try:
                     steps = lockstep.bind(compiled, arrays)
-                    run_steps(comm, steps, compiled.early, self.reducer, seq, self.signature, part)
+                    run_steps(ctx, steps, compiled.early, self.reducer, seq, self.signature, part)
                 except BaseException as err:
-                    comm.fail(Descriptor("allreduce", seq, *self.fields), err)
+                    ctx.fail(Descriptor("allreduce", seq, *self.fields), err)
             except BaseException as err:
                 exposed = count if collectives.writes_user(schedule) and not atomic else 0
                 collectives.note_failure(err, start, exposed, self.count)
@@ -97,42 +97,42 @@ class BoundAllreduce(KeptAllreduce):
 
     def _prepare(self) -> bool:
         """Keep the slices' schedules (in the turn); False, for good, when the layout does not qualify."""
-        comm = self.comm
-        assert comm.transport is not None
-        reducer = comm.reducer(self.dtype, self.op, self.compression)
+        ctx = self.ctx
+        assert ctx.transport is not None
+        reducer = ctx.reducer(self.dtype, self.op, self.compression)
         if reducer.wire_dtype != self.dtype.storage:  # not in place: compression
             self.general = True
             return False
         itemsize = reducer.wire_dtype.itemsize
-        bounds = collectives.slice_bounds(self.count, comm.allreduce_slice_bytes, itemsize)
+        bounds = collectives.slice_bounds(self.count, ctx.allreduce_slice_bytes, itemsize)
         pieces = []
         for start, count in bounds:
-            schedule = collectives.allreduce_schedule(comm, count, itemsize, True, sliced=len(bounds) > 1)
+            schedule = collectives.allreduce_schedule(ctx, count, itemsize, True, sliced=len(bounds) > 1)
             if not self._qualifies(schedule, count, reducer):
                 self.general = True
                 return False
-            pieces.append((start, count, schedule, lockstep.compile_steps(schedule, comm.transport)))
+            pieces.append((start, count, schedule, lockstep.compile_steps(schedule, ctx.transport)))
         self.reducer, self.pieces = reducer, tuple(pieces)
         return True
 
     def _qualifies(self, schedule: Schedule, count: int, reducer: Any) -> bool:
         """Whether ``schedule`` runs in lockstep, in place, with its result in the caller's slice."""
-        comm = self.comm
-        assert comm.transport is not None
+        ctx = self.ctx
+        assert ctx.transport is not None
         dtypes = {Buf.WORK: np.empty(0, reducer.wire_dtype), Buf.USER: np.empty(0, self.dtype.storage)}
         result = schedule.result
         return (
             not schedule.prefill_work
             and result is not None
             and (result.buf, result.start, result.count) == (Buf.USER, 0, count)
-            and lockstep.fits(schedule, comm.transport, dtypes, comm.settings.atomic)  # it compares dtypes
+            and lockstep.fits(schedule, ctx.transport, dtypes, ctx.settings.atomic)  # it compares dtypes
         )
 
 
 def bound_allreduce(
-    comm: Communicator, buffer: Buffer, op: ReduceOp, compression: Compression
+    ctx: Context, buffer: Buffer, op: ReduceOp, compression: Compression
 ) -> BoundAllreduce | None:
     """A :class:`BoundAllreduce` for ``buffer``'s layout, or None where the general path must run."""
-    if not can_keep(comm, buffer) or buffer.nbytes <= comm.settings.small_bytes:
+    if not can_keep(ctx, buffer) or buffer.nbytes <= ctx.settings.small_bytes:
         return None
-    return BoundAllreduce(comm, buffer, op, compression)
+    return BoundAllreduce(ctx, buffer, op, compression)

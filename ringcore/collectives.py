@@ -28,24 +28,23 @@ the other collectives refuse them before anything is sent).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ringcore.algo import broadcast as chain
-from ringcore.algo import halving_doubling, recursive_doubling, ring
-from ringcore.algo.steps import Buf, Schedule, chunk_bounds
+from ringcore.algo import ring
+from ringcore.algo.steps import Buf, chunk_bounds
 from ringcore.buffers import DTYPES, Buffer, dlpack_only_cuda
 from ringcore.buffers import as_buffer as _view
 from ringcore.descriptor import Descriptor
-from ringcore.errors import MismatchError
 from ringcore.ops import Compression, ReduceOp
+from ringcore.slicing import allreduce_schedule, failure_note, note_failure, slice_bounds, writes_user
 
 if TYPE_CHECKING:
-    from ringcore.comm import Communicator
+    from ringcore.context import Context
 
 
 @dataclasses.dataclass
@@ -53,7 +52,7 @@ class Plan:
     """A validated collective, ready to run when its turn comes."""
 
     kind: str
-    run: Callable[[Communicator, int], Any]
+    run: Callable[[Context, int], Any]
     name: str | None = None
     nbytes: int = 0
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -104,27 +103,27 @@ def plan_checked_allreduce(obj: Any, buffer: Buffer, reduce_op: ReduceOp, comp: 
     """The plan of an allreduce whose arguments :func:`check_allreduce` accepted."""
     fields = (buffer.dtype.name, buffer.shape, reduce_op.value, None, comp.value)
 
-    def run(comm: Communicator, seq: int) -> Any:
+    def run(ctx: Context, seq: int) -> Any:
         desc = Descriptor("allreduce", seq, *fields)
-        if comm.size > 1 and buffer.device == "cuda":
+        if ctx.size > 1 and buffer.device == "cuda":
             from ringcore.device import plans
 
-            plans.allreduce(comm, desc, buffer, reduce_op, comp)
-        elif comm.size > 1:
-            reducer = comm.reducer(buffer.dtype, reduce_op, comp)
+            plans.allreduce(ctx, desc, buffer, reduce_op, comp)
+        elif ctx.size > 1:
+            reducer = ctx.reducer(buffer.dtype, reduce_op, comp)
             in_place = reducer.wire_dtype == buffer.dtype.storage
-            pieces = _slices(buffer, comm.allreduce_slice_bytes, reducer.wire_dtype.itemsize)
+            pieces = _slices(buffer, ctx.allreduce_slice_bytes, reducer.wire_dtype.itemsize)
             for part, (start, piece) in enumerate(pieces):
                 schedule = allreduce_schedule(
-                    comm, piece.count, reducer.wire_dtype.itemsize, in_place, sliced=len(pieces) > 1
+                    ctx, piece.count, reducer.wire_dtype.itemsize, in_place, sliced=len(pieces) > 1
                 )
-                arrays = comm.scratch_arrays(schedule, piece, reducer.wire_dtype)
+                arrays = ctx.scratch_arrays(schedule, piece, reducer.wire_dtype)
                 if schedule.prefill_work:
                     reducer.convert(arrays[Buf.WORK], piece.array)
                 try:
-                    comm.execute(desc, schedule, arrays, reducer, sub=part)
+                    ctx.execute(desc, schedule, arrays, reducer, sub=part)
                 except BaseException as err:  # a plain try: a context manager costs small allreduces
-                    exposed = piece.count if writes_user(schedule) and not comm.settings.atomic else 0
+                    exposed = piece.count if writes_user(schedule) and not ctx.settings.atomic else 0
                     note_failure(err, start, exposed, buffer.count)
                     raise
                 if schedule.result is not None and schedule.result.buf != Buf.USER:
@@ -140,74 +139,32 @@ def plan_checked_allreduce(obj: Any, buffer: Buffer, reduce_op: ReduceOp, comp: 
     return Plan("allreduce", run, nbytes=buffer.nbytes, details=details)
 
 
-def allreduce_schedule(
-    comm: Communicator, count: int, itemsize: int, in_place: bool, sliced: bool = False
-) -> Schedule:
-    """The allreduce algorithm for ``count`` elements (a slice of a larger buffer when ``sliced``).
-
-    As Gloo and NCCL do, by size: recursive doubling for small buffers
-    (latency); halving-doubling on a world of 4 or more up to
-    ``RINGCORE_HALVING_BYTES`` (a quarter of it when ranks past the largest
-    power of two fold in, see ``halving_doubling.byte_limit``): the ring's
-    bytes in 2 log2(N) unpipelined steps instead of 2(N-1), measured 1.2-4.6x
-    faster from 128 KiB to 4 MiB at N=4 and N=8 on 2 cores, even at 8-16 MiB;
-    the pipelined ring for the rest, and for every slice of a sliced buffer.
-    ``in_place`` (WORK in the caller's dtype) makes the ring, and
-    halving-doubling unless ``RINGCORE_ATOMIC=1``, write the result straight
-    into the caller's buffer.
-    Halving-doubling is also kept to buffers whose largest frame (half the
-    buffer, all of it with extras) fits twice in ``RINGCORE_GPU_STAGING_BYTES``:
-    GPU ranks stage whole frames through pinned slots, and pinned memory must
-    stay at that size per connection.
-    The choice depends only on the layout and on settings every rank shares
-    (``bootstrap`` checks them at init), never on the buffer's device: host
-    and GPU ranks can share a collective.
-    """
-    settings = comm.settings
-    nbytes = count * itemsize
-    if nbytes <= settings.small_bytes or count < comm.size:
-        return recursive_doubling.allreduce(comm.rank, comm.size, count, itemsize, settings.segment_size())
-    if (
-        not sliced
-        and nbytes <= halving_doubling.byte_limit(comm.size, settings.halving_bytes)
-        and halving_doubling.largest_frame(comm.size, count) * itemsize * 2 <= settings.gpu_staging_bytes
-        and halving_doubling.applies(comm.size, count)
-    ):
-        return halving_doubling.allreduce(comm.rank, comm.size, count, in_place and not settings.atomic)
-    # Compressed rings (not in place) convert every segment on its way out: small segments
-    # overlap those casts with the wire (fp16 at 1 Gbit/s, 16M: 114 ms with 512 KiB, 123 with 2 MiB).
-    segment_bytes = settings.segment_size(
-        wide=comm.wide_segments and in_place, whole_chunk=comm.cache_slices and in_place
-    )
-    return ring.allreduce(comm.rank, comm.size, count, itemsize, segment_bytes, in_place)
-
-
 def plan_broadcast(obj: Any, root: int, rank: int, size: int) -> Plan:
     root = _check_root(root, size, "broadcast")
     buffer = as_buffer(obj, writable=rank != root, what="broadcast buffer")
 
-    def run(comm: Communicator, seq: int) -> Any:
+    def run(ctx: Context, seq: int) -> Any:
         desc = Descriptor("broadcast", seq, buffer.dtype.name, buffer.shape, None, root)
-        if comm.size > 1 and buffer.device == "cuda":
+        if ctx.size > 1 and buffer.device == "cuda":
             from ringcore.device import plans
 
-            plans.broadcast(comm, desc, buffer, root)
-        elif comm.size > 1:
-            reducer = comm.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
+            plans.broadcast(ctx, desc, buffer, root)
+        elif ctx.size > 1:
+            reducer = ctx.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
             for part, (start, piece) in enumerate(
-                _slices(buffer, comm.settings.scratch_slice_bytes(), buffer.dtype.itemsize)
+                _slices(buffer, ctx.settings.scratch_slice_bytes(), buffer.dtype.itemsize)
             ):
                 schedule = chain.broadcast(
-                    comm.rank,
-                    comm.size,
+                    ctx.rank,
+                    ctx.size,
                     root,
                     piece.count,
                     buffer.dtype.itemsize,
-                    comm.settings.segment_size(),
+                    ctx.settings.segment_size(),
                 )
-                arrays = comm.scratch_arrays(schedule, piece, buffer.dtype.storage)
+                arrays = ctx.scratch_arrays(schedule, piece, buffer.dtype.storage)
                 with failure_note(start, 0, buffer.count):
-                    comm.execute(desc, schedule, arrays, reducer, sub=part)
+                    ctx.execute(desc, schedule, arrays, reducer, sub=part)
                 if schedule.result is not None:
                     np.copyto(piece.array, arrays[Buf.WORK])
         return obj
@@ -233,54 +190,6 @@ def _slices(buffer: Buffer, slice_bytes: int, wire_itemsize: int) -> list[tuple[
     ]
 
 
-def slice_bounds(count: int, slice_bytes: int, wire_itemsize: int) -> list[tuple[int, int]]:
-    """``(first element, count)`` of each slice of a ``count``-element buffer (see :func:`_slices`)."""
-    limit = max(1, slice_bytes // wire_itemsize)
-    if count <= limit:
-        return [(0, count)]
-    per_slice = -(-count // -(-count // limit))  # equal slices: no short last one
-    return [(start, min(per_slice, count - start)) for start in range(0, count, per_slice)]
-
-
-def writes_user(schedule: Schedule) -> bool:
-    """Whether the executor writes the caller's buffer while it runs (the in-place ring)."""
-    return bool(schedule.steps) and schedule.result is not None and schedule.result.buf == Buf.USER
-
-
-@contextlib.contextmanager
-def failure_note(start: int, exposed: int, count: int) -> Iterator[None]:
-    """On failure, note which of the buffer's ``count`` elements hold what (see :func:`note_failure`)."""
-    try:
-        yield
-    except BaseException as err:
-        note_failure(err, start, exposed, count)
-        raise
-
-
-def note_failure(err: BaseException, start: int, exposed: int, count: int) -> None:
-    """Add notes to ``err`` saying which of the buffer's ``count`` elements hold what.
-
-    ``start``: earlier slices are done; ``exposed``: how many elements from
-    ``start`` on the failed run may have written (0 when it writes only after
-    success, or with ``RINGCORE_ATOMIC=1``); the rest are untouched. Ranks
-    that disagree fail before any reduced data reaches the buffer.
-    """
-    if isinstance(err, MismatchError):
-        exposed = 0
-    if start:
-        err.add_note(
-            f"ringcore: elements [0, {start}) of {count} already hold the result (large buffers "
-            "are reduced slice by slice, RINGCORE_SLICE_BYTES)"
-        )
-    if exposed:
-        err.add_note(
-            f"ringcore: elements [{start}, {start + exposed}) of {count} may hold partial sums "
-            "(set RINGCORE_ATOMIC=1 to have a failed allreduce restore them)"
-        )
-    if (start or exposed) and start + exposed < count:
-        err.add_note("ringcore: the other elements are untouched")
-
-
 def _host_only(buffer: Buffer, what: str) -> Buffer:
     if buffer.device != "cpu":
         raise TypeError(
@@ -301,35 +210,33 @@ def plan_allgather(obj: Any) -> Plan:
     rows = _rows(buffer, "allgather")
     row_count = int(np.prod(buffer.shape[1:], dtype=np.int64))
 
-    def run(comm: Communicator, seq: int) -> np.ndarray:
+    def run(ctx: Context, seq: int) -> np.ndarray:
         trailing = buffer.shape[1:]
-        counts = _gather_counts(comm, seq, buffer.dtype.name, trailing, rows)
+        counts = _gather_counts(ctx, seq, buffer.dtype.name, trailing, rows)
         chunks = tuple((start * row_count, n * row_count) for start, n in _offsets(counts))
         out = np.empty(sum(counts) * row_count, buffer.dtype.storage)
-        start, n = chunks[comm.rank]
+        start, n = chunks[ctx.rank]
         out[start : start + n] = buffer.array
-        if comm.size > 1:
+        if ctx.size > 1:
             desc = Descriptor("allgather", seq, buffer.dtype.name, trailing)
-            reducer = comm.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
+            reducer = ctx.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
             schedule = ring.allgather(
-                comm.rank, comm.size, chunks, buffer.dtype.itemsize, comm.settings.segment_size()
+                ctx.rank, ctx.size, chunks, buffer.dtype.itemsize, ctx.settings.segment_size()
             )
-            comm.execute(desc, schedule, {Buf.WORK: out}, reducer)
+            ctx.execute(desc, schedule, {Buf.WORK: out}, reducer)
         return _as_caller_dtype(out, obj).reshape((sum(counts), *trailing))
 
     return Plan("allgather", run, nbytes=buffer.nbytes, details={"dtype": buffer.dtype.name, "rows": rows})
 
 
-def _gather_counts(
-    comm: Communicator, seq: int, dtype: str, trailing: tuple[int, ...], rows: int
-) -> list[int]:
-    counts = np.zeros(comm.size, np.int64)
-    counts[comm.rank] = rows
-    if comm.size > 1:
+def _gather_counts(ctx: Context, seq: int, dtype: str, trailing: tuple[int, ...], rows: int) -> list[int]:
+    counts = np.zeros(ctx.size, np.int64)
+    counts[ctx.rank] = rows
+    if ctx.size > 1:
         desc = Descriptor("allgather", seq, dtype, trailing, None, None, "counts")
-        reducer = comm.reducer(DTYPES["int64"], ReduceOp.SUM, Compression.NONE)
-        schedule = ring.allgather(comm.rank, comm.size, tuple((i, 1) for i in range(comm.size)), 8, 1 << 20)
-        comm.execute(desc, schedule, {Buf.WORK: counts}, reducer, sub=1)
+        reducer = ctx.reducer(DTYPES["int64"], ReduceOp.SUM, Compression.NONE)
+        schedule = ring.allgather(ctx.rank, ctx.size, tuple((i, 1) for i in range(ctx.size)), 8, 1 << 20)
+        ctx.execute(desc, schedule, {Buf.WORK: counts}, reducer, sub=1)
     return [int(c) for c in counts]
 
 
@@ -353,36 +260,36 @@ def plan_reduce_scatter(obj: Any, op: Any, compression: Any) -> Plan:
     _check_reduction(buffer, reduce_op, comp, "reduce_scatter")
     row_count = int(np.prod(buffer.shape[1:], dtype=np.int64))
 
-    def run(comm: Communicator, seq: int) -> np.ndarray:
+    def run(ctx: Context, seq: int) -> np.ndarray:
         desc = Descriptor(
             "reduce_scatter", seq, buffer.dtype.name, buffer.shape, reduce_op.value, None, comp.value
         )
-        row_chunks = chunk_bounds(rows, comm.size)
+        row_chunks = chunk_bounds(rows, ctx.size)
         chunks = tuple((start * row_count, n * row_count) for start, n in row_chunks)
-        start, n = chunks[comm.rank]
+        start, n = chunks[ctx.rank]
         out = np.empty(n, buffer.dtype.storage)
-        reducer = comm.reducer(buffer.dtype, reduce_op, comp)
-        if comm.size == 1:
+        reducer = ctx.reducer(buffer.dtype, reduce_op, comp)
+        if ctx.size == 1:
             out[:] = buffer.array
         else:
             schedule = ring.reduce_scatter(
-                comm.rank, comm.size, chunks, reducer.wire_dtype.itemsize, comm.settings.segment_size()
+                ctx.rank, ctx.size, chunks, reducer.wire_dtype.itemsize, ctx.settings.segment_size()
             )
-            arrays = comm.scratch_arrays(schedule, buffer, reducer.wire_dtype)
-            comm.execute(desc, schedule, arrays, reducer)
+            arrays = ctx.scratch_arrays(schedule, buffer, reducer.wire_dtype)
+            ctx.execute(desc, schedule, arrays, reducer)
             reducer.convert(out, arrays[Buf.WORK][start : start + n])
-        return _as_caller_dtype(out, obj).reshape((row_chunks[comm.rank][1], *buffer.shape[1:]))
+        return _as_caller_dtype(out, obj).reshape((row_chunks[ctx.rank][1], *buffer.shape[1:]))
 
     details = {"dtype": buffer.dtype.name, "count": buffer.count, "op": reduce_op.value}
     return Plan("reduce_scatter", run, nbytes=buffer.nbytes, details=details)
 
 
 def plan_barrier() -> Plan:
-    def run(comm: Communicator, seq: int) -> None:
-        if comm.size > 1:
+    def run(ctx: Context, seq: int) -> None:
+        if ctx.size > 1:
             empty = np.empty(0, np.uint8)
-            reducer = comm.reducer(DTYPES["uint8"], ReduceOp.SUM, Compression.NONE)
+            reducer = ctx.reducer(DTYPES["uint8"], ReduceOp.SUM, Compression.NONE)
             desc = Descriptor("barrier", seq, "uint8", ())
-            comm.execute(desc, chain.barrier(comm.rank, comm.size), {Buf.WORK: empty}, reducer)
+            ctx.execute(desc, chain.barrier(ctx.rank, ctx.size), {Buf.WORK: empty}, reducer)
 
     return Plan("barrier", run)

@@ -22,38 +22,25 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any
 
 import numpy as np
 
 from ringcore import bound, collectives, latency
-from ringcore.algo import lockstep
-from ringcore.algo.execute import Executor
-from ringcore.algo.lockstep import LockstepExecutor
-from ringcore.algo.steps import Buf, Schedule
-from ringcore.buffers import Buffer, DType, checked_buffer
+from ringcore.algo.steps import Buf
+from ringcore.buffers import checked_buffer
 from ringcore.config import Settings
-from ringcore.descriptor import Descriptor, explain
-from ringcore.errors import CollectiveTimeout, CommunicatorClosed, MismatchError, PeerFailure, RingcoreError
-from ringcore.kernels.numpy_ops import Reducer, quietly
-from ringcore.ops import Compression, ReduceOp
+from ringcore.context import Context
+from ringcore.errors import CollectiveTimeout, CommunicatorClosed
+from ringcore.kernels.numpy_ops import quietly
 from ringcore.stall import Progress, StallInspector
 from ringcore.store import StoreClient, StoreServer
 from ringcore.timeline import Timeline, rank_path
-from ringcore.transport import wire
-from ringcore.transport.base import FrameMismatch, PeerAborted, Transport
-from ringcore.transport.wire import ProtocolError
-
-if TYPE_CHECKING:
-    from ringcore.device.plans import DeviceContext
-    from ringcore.device.staging import Staging
+from ringcore.transport.base import Transport
 
 log = logging.getLogger("ringcore")
 
-_EXPLAIN_WAIT = 10.0
-_VIEW_CACHE = 64  # (scratch buffers, count, dtype) combinations whose views are kept
 _CHECKED_CACHE = 4096  # array layouts whose validation is remembered (Communicator._allreduce_plan)
 
 
@@ -152,18 +139,12 @@ class Communicator:
         self._waiters = 0  # threads waiting in _run_turn for their ticket
         self._abandoned: set[int] = set()  # tickets whose caller was interrupted before its turn
         self._next_ticket = self._turn = 0
-        self._broken: BaseException | None = None
         self._closed = False
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._worker: threading.Thread | None = None
-        self._scratch: dict[Buf, np.ndarray] = {}
-        self._views: dict[tuple[Any, ...], dict[Buf, np.ndarray]] = {}
-        self._reducers: dict[tuple[str, ReduceOp, Compression], Reducer] = {}
         self._checked: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # layouts that validated (_allreduce_plan)
         self._held: dict[tuple[Any, ...], int] = {}  # scratch bytes a layout in _checked keeps for itself
         self._held_bytes = 0
-        self._device: DeviceContext | None = None
-        self.bound_barrier: latency.BoundBarrier | None = None  # made in the first barrier's turn
         self.progress = Progress()
         self.timeline: Timeline | None = None
         if settings.timeline:
@@ -173,11 +154,23 @@ class Communicator:
             self.stall = StallInspector(
                 rank, size, store.address, store.connect_again, self.progress, settings
             )
+        self.ctx = Context(
+            rank, size, settings, transport, store, self.timeline, self.stall, cache_slices, wide_segments
+        )
 
     @property
     def allreduce_slice_bytes(self) -> int:
         """Wire bytes per allreduce slice (``Settings.allreduce_slice_bytes``); equal on every rank."""
-        return self.settings.allreduce_slice_bytes(self.size, self.cache_slices)
+        return self.ctx.allreduce_slice_bytes
+
+    @property
+    def bound_barrier(self) -> Any:
+        """The barrier's bound steps, once the first barrier made them."""
+        return self.ctx.bound_barrier
+
+    @property
+    def _scratch(self) -> dict[Buf, np.ndarray]:
+        return self.ctx._scratch  # the scratch pools (tests check they are released)
 
     # ------------------------------------------------------------------ public API
 
@@ -236,8 +229,8 @@ class Communicator:
                 return layout.plan(buf, buffer)
             return collectives.plan_checked_allreduce(buf, buffer, reduce_op, comp)
         buffer, reduce_op, comp = collectives.check_allreduce(buf, op, compression)
-        layout = latency.small_allreduce(self, buffer, reduce_op, comp) or bound.bound_allreduce(
-            self, buffer, reduce_op, comp
+        layout = latency.small_allreduce(self.ctx, buffer, reduce_op, comp) or bound.bound_allreduce(
+            self.ctx, buffer, reduce_op, comp
         )
         held = 2 * buffer.nbytes if isinstance(layout, latency.SmallAllreduce) else 0  # its own scratch
         self._forget_layouts(held)
@@ -333,7 +326,7 @@ class Communicator:
         if bound is not None:
             self._call_bound("barrier", None, bound.run)
         else:
-            self._call(latency.plan_barrier(self))
+            self._call(latency.plan_barrier(self.ctx))
 
     def shutdown(self) -> None:
         """Finish queued async work, say goodbye to peers and close everything; idempotent."""
@@ -355,12 +348,8 @@ class Communicator:
             self.timeline.close()
         if self.server is not None:
             self.server.retire()  # serves until every rank has left: see ringcore.store
-        self._scratch.clear()
-        self._views.clear()
         self.clear_plan_cache()
-        self._reducers.clear()
-        self._device = None
-        self.bound_barrier = None
+        self.ctx.release()
 
     def __enter__(self) -> Communicator:
         return self
@@ -414,7 +403,7 @@ class Communicator:
         self.progress.enter(seq, plan.kind, plan.name)
         try:
             self._check_usable(plan.kind, seq)
-            return quietly(plan.run, self, seq)  # overflow, NaN, wrap-around: results, not warnings
+            return quietly(plan.run, self.ctx, seq)  # overflow, NaN, wrap-around: results, not warnings
         finally:
             self.progress.leave()
             if self.timeline is not None:
@@ -474,19 +463,20 @@ class Communicator:
         """
         with self._lock:
             self._abandoned.add(ticket)
-            if self._broken is None:
-                self._broken = CommunicatorClosed(
+            if self.ctx.broken is None:
+                self.ctx.broken = CommunicatorClosed(
                     f"collective #{ticket + 1} was interrupted ({type(err).__name__}) before its turn, "
                     "so the ranks no longer agree on the order of collectives"
                 )
             self._skip_abandoned()
 
     def _check_usable(self, kind: str, seq: int) -> None:
-        if self._broken is not None:
+        broken = self.ctx.broken
+        if broken is not None:
             raise CommunicatorClosed(
                 f"{kind} #{seq}: the communicator is unusable after an earlier failure "
-                f"({self._broken}); call ringcore.shutdown() and ringcore.init() again"
-            ) from self._broken
+                f"({broken}); call ringcore.shutdown() and ringcore.init() again"
+            ) from broken
         if self.stall is not None and (reason := self.stall.interruption()):
             raise CollectiveTimeout(f"{kind} #{seq}: {reason}")
 
@@ -506,167 +496,4 @@ class Communicator:
     def confirm_world(self) -> None:
         """A barrier outside the numbered collectives (#0): every rank is connected and alive."""
         if self.size > 1:
-            quietly(collectives.plan_barrier().run, self, 0)
-
-    # ------------------------------------------------------------------ execution
-
-    def reducer(self, dtype: DType, op: ReduceOp, compression: Compression) -> Reducer:
-        """The kernels for one kind of collective, kept so their scratch arrays are reused."""
-        key = (dtype.name, op, compression)
-        reducer = self._reducers.get(key)
-        if reducer is None:
-            reducer = self._reducers[key] = Reducer(dtype, op, compression, self.size)
-        return reducer
-
-    def device_context(self) -> DeviceContext:
-        """Streams, pinned slots, kernels and scratch for GPU buffers, made when the first one arrives."""
-        if self._device is None:
-            from ringcore.device.plans import DeviceContext
-
-            self._device = DeviceContext(self.settings.gpu_staging_bytes, self.size)
-        return self._device
-
-    def scratch_arrays(
-        self, schedule: Schedule, buffer: Buffer, wire_dtype: np.dtype
-    ) -> dict[Buf, np.ndarray]:
-        """USER plus the scratch buffers the schedule uses, reused between collectives.
-
-        The views into the pools are kept too (a small collective spends more
-        making them than moving its bytes); they are dropped whenever a pool
-        grows, so no view keeps an outgrown pool alive.
-        """
-        return {Buf.USER: buffer.array, **self.scratch_views(schedule.scratch, buffer.count, wire_dtype)}
-
-    def scratch_views(self, bufs: tuple[Buf, ...], count: int, wire_dtype: np.dtype) -> dict[Buf, np.ndarray]:
-        """Views of ``count`` elements of each pool in ``bufs`` (WORK always present); do not modify the dict."""
-        key = (bufs, count, wire_dtype)
-        views = self._views.get(key)
-        if views is None:
-            views = self._views[key] = self._make_views(bufs, count, wire_dtype)
-        return views
-
-    def _make_views(self, bufs: tuple[Buf, ...], count: int, wire_dtype: np.dtype) -> dict[Buf, np.ndarray]:
-        nbytes = count * wire_dtype.itemsize
-        views = {}
-        for buf in bufs:
-            pool = self._scratch.get(buf)
-            if pool is None or pool.nbytes < nbytes:
-                self._views.clear()
-                pool = self._scratch[buf] = np.empty(nbytes, np.uint8)
-            views[buf] = pool[:nbytes].view(wire_dtype)
-        if Buf.WORK not in views:
-            views[Buf.WORK] = np.empty(0, wire_dtype)
-        if len(self._views) >= _VIEW_CACHE:
-            self._views.clear()
-        return views
-
-    def execute(
-        self,
-        desc: Descriptor,
-        schedule: Schedule,
-        arrays: dict[Buf, np.ndarray],
-        reducer: Any,
-        sub: int = 0,
-        staging: Staging | None = None,
-    ) -> None:
-        """Run one schedule; on failure, tell the peers, break the communicator and raise.
-
-        ``sub`` numbers the schedules of one collective (allgather's two, a large
-        allreduce's slices), so their frames carry different tags. With ``staging``, ``arrays`` are
-        device arrays and the staged executor runs the schedule; one-segment
-        schedules run in lockstep (:mod:`ringcore.algo.lockstep`) unless they
-        write the caller's buffer with ``RINGCORE_ATOMIC=1``, the rest on the
-        pipelined Executor.
-        """
-        if self.transport is None:
-            raise RingcoreError("a world of size > 1 needs a transport")
-        executor: Any
-        common = (self.transport, schedule, arrays, reducer, wire.tag_seq(desc.seq, sub), desc.signature())
-        timeout, interrupt, atomic = (
-            self.settings.timeout,
-            self.stall.interruption if self.stall is not None else None,
-            self.settings.atomic,
-        )
-        if staging is not None:
-            from ringcore.device.staging import StagedExecutor
-
-            executor = StagedExecutor(*common, timeout, staging, interrupt=interrupt, atomic=atomic)
-        elif (self.timeline is None or not desc.seq) and lockstep.fits(
-            schedule, self.transport, arrays, atomic
-        ):
-            executor = LockstepExecutor(*common, timeout, interrupt=interrupt)
-        else:
-            timeline = self.timeline if desc.seq else None  # #0 is init's barrier, not the user's
-            executor = Executor(*common, timeout, timeline=timeline, interrupt=interrupt, atomic=atomic)
-        self.run_guarded(desc, executor.run)
-
-    def run_guarded(self, desc: Descriptor, run: Callable[[], None]) -> None:
-        """Call ``run`` (a schedule's execution); on failure, see :meth:`fail`."""
-        try:
-            run()
-        except BaseException as err:
-            self.fail(desc, err)
-
-    def fail(self, desc: Descriptor, err: BaseException) -> NoReturn:
-        """``desc`` failed with ``err``: tell the peers, break the communicator, raise."""
-        if isinstance(err, (FrameMismatch, PeerAborted, PeerFailure, CollectiveTimeout, ProtocolError)):
-            error = self._translate(desc, err)
-            self._broken = error
-            raise error from None
-        # e.g. KeyboardInterrupt mid-collective: peers must not hang
-        self._abort(
-            {
-                "kind": "peer_failure",
-                "culprit": self.rank,
-                "message": f"rank {self.rank} stopped {desc.title}: {type(err).__name__}",
-            }
-        )
-        self._broken = err
-        raise err
-
-    def _translate(self, desc: Descriptor, err: Exception) -> RingcoreError:
-        """Turn a transport-level failure into the error every rank should raise."""
-        where = f"{desc.title} on rank {self.rank}"
-        if isinstance(err, FrameMismatch) or (
-            isinstance(err, PeerAborted) and err.reason.get("kind") == "mismatch"
-        ):
-            self._abort({"kind": "mismatch", "rank": self.rank, "message": f"{desc.title}: ranks disagree"})
-            return MismatchError(self._explain_mismatch(desc))
-        if isinstance(err, PeerAborted):
-            reason = err.reason
-            culprit = int(reason.get("culprit", err.peer))
-            self._abort(reason)
-            if reason.get("kind") == "timeout":
-                return CollectiveTimeout(f"{where}: rank {err.peer} gave up: {reason.get('message')}")
-            host = self.transport.peer_name(culprit) if self.transport else ""
-            return PeerFailure(f"{where}: {reason.get('message', 'peer aborted')}", culprit, host)
-        if isinstance(err, PeerFailure):
-            message = f"{where}: {err}"
-            self._abort({"kind": "peer_failure", "culprit": err.peer, "message": str(err)})
-            return PeerFailure(message, err.peer, err.host)
-        if isinstance(err, CollectiveTimeout):
-            self._abort({"kind": "timeout", "culprit": self.rank, "message": f"{desc.title}: {err}"})
-            return CollectiveTimeout(f"{where}: {err}")
-        self._abort({"kind": "protocol", "culprit": self.rank, "message": str(err)})
-        return RingcoreError(f"{where}: {err}")
-
-    def _abort(self, reason: dict[str, Any]) -> None:
-        if self.transport is not None:
-            self.transport.abort(reason)
-
-    def _explain_mismatch(self, desc: Descriptor) -> str:
-        """Compare every rank's descriptor through the store; the message names who differs."""
-        if self.store is None:
-            return f"{desc.title}: ranks disagree (no rendezvous store to compare their arguments)"
-        try:
-            self.store.set(f"mismatch/{self.rank}", desc.record())
-            deadline = time.monotonic() + min(_EXPLAIN_WAIT, self.settings.timeout)
-            records = {}
-            for peer in range(self.size):
-                try:
-                    records[peer] = self.store.get(f"mismatch/{peer}", max(0.0, deadline - time.monotonic()))
-                except CollectiveTimeout:
-                    continue
-        except RingcoreError as err:
-            return f"{desc.title}: ranks disagree (could not compare arguments: {err})"
-        return explain(desc, records, self.size)
+            quietly(collectives.plan_barrier().run, self.ctx, 0)

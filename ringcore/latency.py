@@ -18,7 +18,7 @@ caller's array into WORK, runs the bound steps with
 every other path, so ranks on different paths agree; over TCP each step is
 one ``TcpTransport.swap``) and copies the result back. Blocking and
 ``allreduce_async`` calls alike. Ordering, failure handling and the stall inspector are the
-communicator's own (tickets and turns, ``Communicator.fail``). Binding touches the
+communicator's own (tickets and turns, ``Context.fail``). Binding touches the
 communicator's scratch and caches, so it happens in the first call's turn,
 like everything else that does; until then, and for good if the schedule
 turns out not to qualify, the general plan runs. Once bound, a blocking
@@ -58,7 +58,7 @@ from ringcore.ops import Compression, ReduceOp
 from ringcore.transport import wire
 
 if TYPE_CHECKING:
-    from ringcore.comm import Communicator
+    from ringcore.context import Context
 
 
 class KeptAllreduce:
@@ -69,8 +69,8 @@ class KeptAllreduce:
     (``bound``) and how a call runs on it (:meth:`_run_flat`).
     """
 
-    def __init__(self, comm: Communicator, buffer: Buffer, op: ReduceOp, compression: Compression) -> None:
-        self.comm = comm
+    def __init__(self, ctx: Context, buffer: Buffer, op: ReduceOp, compression: Compression) -> None:
+        self.ctx = ctx
         self.dtype, self.op, self.compression = buffer.dtype, op, compression
         self.count, self.nbytes = buffer.count, buffer.nbytes
         self.fields = (buffer.dtype.name, buffer.shape, op.value, None, compression.value)
@@ -90,10 +90,10 @@ class KeptAllreduce:
         if self.general:
             return collectives.plan_checked_allreduce(obj, buffer, self.op, self.compression)
 
-        def run(comm: Communicator, seq: int) -> Any:
+        def run(ctx: Context, seq: int) -> Any:
             if not self.bound and not self._prepare():
                 general = collectives.plan_checked_allreduce(obj, buffer, self.op, self.compression)
-                return general.run(comm, seq)
+                return general.run(ctx, seq)
             self._run_flat(buffer.array, seq)
             return obj
 
@@ -113,8 +113,8 @@ class KeptAllreduce:
 class SmallAllreduce(KeptAllreduce):
     """One small allreduce layout; bound to its schedule, scratch and frames in its first turn."""
 
-    def __init__(self, comm: Communicator, buffer: Buffer, op: ReduceOp, compression: Compression) -> None:
-        super().__init__(comm, buffer, op, compression)
+    def __init__(self, ctx: Context, buffer: Buffer, op: ReduceOp, compression: Compression) -> None:
+        super().__init__(ctx, buffer, op, compression)
         self.steps: tuple[lockstep.Bound, ...] | None = None
         self.early: tuple[int, ...] = ()
         self.work = np.empty(0)
@@ -127,31 +127,31 @@ class SmallAllreduce(KeptAllreduce):
     def _run_flat(self, array: np.ndarray, seq: int) -> None:
         """``run`` on the flat storage view (``Buffer.array``); the caller's memory is written only on success."""
         assert self.steps is not None
-        comm, reducer = self.comm, self.reducer
+        ctx, reducer = self.ctx, self.reducer
         try:
             reducer.convert(self.work, array)
-            run_steps(comm, self.steps, self.early, reducer, seq, self.signature)
+            run_steps(ctx, self.steps, self.early, reducer, seq, self.signature)
         except BaseException as err:
-            comm.fail(Descriptor("allreduce", seq, *self.fields), err)
+            ctx.fail(Descriptor("allreduce", seq, *self.fields), err)
         reducer.convert(array, self.work)
 
     def _prepare(self) -> bool:
         """Bind the schedule to scratch (in the turn); False, for good, when it does not qualify."""
-        comm, count = self.comm, self.count
-        assert comm.transport is not None
-        reducer = comm.reducer(self.dtype, self.op, self.compression)
+        ctx, count = self.ctx, self.count
+        assert ctx.transport is not None
+        reducer = ctx.reducer(self.dtype, self.op, self.compression)
         itemsize = reducer.wire_dtype.itemsize
         schedule = collectives.allreduce_schedule(
-            comm, count, itemsize, reducer.wire_dtype == self.dtype.storage
+            ctx, count, itemsize, reducer.wire_dtype == self.dtype.storage
         )
         # Scratch of its own (at most 2 x RINGCORE_SMALL_BYTES): views into the communicator's
         # pools would keep an outgrown pool alive for as long as the layout is remembered.
         views = {buf: np.empty(count, reducer.wire_dtype) for buf in (*schedule.scratch, Buf.WORK)}
-        compiled = lockstep.compile_steps(schedule, comm.transport)
+        compiled = lockstep.compile_steps(schedule, ctx.transport)
         result = schedule.result
         if (
-            count > max(1, comm.allreduce_slice_bytes // itemsize)  # sliced (never at default sizes)
-            or not lockstep.fits(schedule, comm.transport, views)
+            count > max(1, ctx.allreduce_slice_bytes // itemsize)  # sliced (never at default sizes)
+            or not lockstep.fits(schedule, ctx.transport, views)
             or compiled.touches_user
             or not schedule.prefill_work
             or result is None
@@ -164,41 +164,41 @@ class SmallAllreduce(KeptAllreduce):
         return True
 
 
-def can_keep(comm: Communicator, buffer: Buffer) -> bool:
+def can_keep(ctx: Context, buffer: Buffer) -> bool:
     """Whether an allreduce of ``buffer``'s layout may keep its plan: a CPU buffer on a world of 2+, no timeline."""
-    return comm.size > 1 and comm.transport is not None and comm.timeline is None and buffer.device == "cpu"
+    return ctx.size > 1 and ctx.transport is not None and ctx.timeline is None and buffer.device == "cpu"
 
 
 def small_allreduce(
-    comm: Communicator, buffer: Buffer, op: ReduceOp, compression: Compression
+    ctx: Context, buffer: Buffer, op: ReduceOp, compression: Compression
 ) -> SmallAllreduce | None:
     """A :class:`SmallAllreduce` for ``buffer``'s layout, or None where the general path must run."""
-    if not can_keep(comm, buffer) or buffer.nbytes > comm.settings.small_bytes:
+    if not can_keep(ctx, buffer) or buffer.nbytes > ctx.settings.small_bytes:
         return None
-    return SmallAllreduce(comm, buffer, op, compression)
+    return SmallAllreduce(ctx, buffer, op, compression)
 
 
 class BoundBarrier:
     """The dissemination barrier's steps, bound once per communicator (they carry no data)."""
 
-    def __init__(self, comm: Communicator) -> None:
-        assert comm.transport is not None
-        compiled = lockstep.compile_steps(chain.barrier(comm.rank, comm.size), comm.transport)
-        self.comm = comm
+    def __init__(self, ctx: Context) -> None:
+        assert ctx.transport is not None
+        compiled = lockstep.compile_steps(chain.barrier(ctx.rank, ctx.size), ctx.transport)
+        self.ctx = ctx
         self.steps = lockstep.bind(compiled, {Buf.WORK: np.empty(0, np.uint8)})
         self.early = compiled.early
-        self.reducer = comm.reducer(DTYPES["uint8"], ReduceOp.SUM, Compression.NONE)
+        self.reducer = ctx.reducer(DTYPES["uint8"], ReduceOp.SUM, Compression.NONE)
         self.signature = Descriptor("barrier", 0, "uint8", ()).signature()
 
     def run(self, seq: int) -> None:
         try:
-            run_steps(self.comm, self.steps, self.early, self.reducer, seq, self.signature)
+            run_steps(self.ctx, self.steps, self.early, self.reducer, seq, self.signature)
         except BaseException as err:
-            self.comm.fail(Descriptor("barrier", seq, "uint8", ()), err)
+            self.ctx.fail(Descriptor("barrier", seq, "uint8", ()), err)
 
 
 def run_steps(
-    comm: Communicator,
+    ctx: Context,
     steps: tuple[lockstep.Bound, ...],
     early: tuple[int, ...],
     reducer: Any,
@@ -207,28 +207,28 @@ def run_steps(
     part: int = 0,
 ) -> None:
     """Run bound steps as schedule ``part`` of collective ``seq``, with the communicator's timeout and stall check."""
-    assert comm.transport is not None
+    assert ctx.transport is not None
     lockstep.run_bound(
-        comm.transport,
+        ctx.transport,
         steps,
         early,
         reducer,
         (wire.tag_seq(seq, part) & 0xFFFFFFFF) << 32,
         signature,
-        comm.settings.timeout,
-        comm.stall.interruption if comm.stall is not None else None,
+        ctx.settings.timeout,
+        ctx.stall.interruption if ctx.stall is not None else None,
     )
 
 
-def plan_barrier(comm: Communicator) -> collectives.Plan:
+def plan_barrier(ctx: Context) -> collectives.Plan:
     """A barrier on bound steps, or the general plan where a timeline wants its events."""
-    if comm.size < 2 or comm.transport is None or comm.timeline is not None:
+    if ctx.size < 2 or ctx.transport is None or ctx.timeline is not None:
         return collectives.plan_barrier()
 
-    def run(comm: Communicator, seq: int) -> None:
-        barrier = comm.bound_barrier
+    def run(ctx: Context, seq: int) -> None:
+        barrier = ctx.bound_barrier
         if barrier is None:  # bound in the turn, like everything touching comm state
-            barrier = comm.bound_barrier = BoundBarrier(comm)
+            barrier = ctx.bound_barrier = BoundBarrier(ctx)
         barrier.run(seq)
 
     return collectives.Plan("barrier", run)
