@@ -1,4 +1,11 @@
-"""The Communicator: validate, agree with peers, pick a schedule, run it.
+"""The Communicator: validate, remember layouts, order collectives, run their plans.
+
+Layers. The Communicator validates a collective's arguments, keys the array's
+layout (dtype, shape, strides, op, compression) in a cache bounded in count
+and in the scratch its layouts keep (``RINGCORE_PLAN_CACHE_BYTES``), and runs
+the collective's plan in its turn, handing it the :class:`~ringcore.context.Context`
+(transport, scratch, reducers, device resources; ``execute`` and ``fail``);
+plans never see the Communicator.
 
 Ordering. Every collective gets a ticket when it is called, in program order;
 it runs only when all earlier tickets have finished. Blocking calls run in
