@@ -117,3 +117,42 @@ def reduce_op(op: Any, average: bool | None = None, default: ReduceOp = Average)
 def wire_compression(compression: Any) -> WireCompression:
     """``Compression.none``/``Compression.fp16`` (or ringcore's names, ``None``) as ringcore's compression."""
     return WireCompression.parse(compression)
+
+
+# Horovod's build queries, which example scripts branch on: ringcore is none of these libraries.
+def nccl_built() -> bool:
+    """False: ringcore does not use NCCL (CUDA tensors take its own GPU path)."""
+    return False
+
+
+def mpi_built() -> bool:
+    """False: ringcore needs no MPI (it runs under mpirun all the same)."""
+    return False
+
+
+def gloo_built() -> bool:
+    """False: ringcore does not use Gloo."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    """Whether ringcore's GPU path can run here (CuPy is installed)."""
+    import importlib.util
+
+    return importlib.util.find_spec("cupy") is not None
+
+
+def rocm_built() -> bool:
+    return False
