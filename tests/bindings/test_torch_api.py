@@ -190,15 +190,54 @@ def test_the_names_horovod_scripts_use_exist() -> None:
     """What horovod.torch's examples and synthetic benchmark call, so `import ringcore.torch as hvd` is the only change."""
     import ringcore.torch as hvd
 
-    names = (
-        "init shutdown is_initialized rank size local_rank local_size cross_rank cross_size "
-        "Average Sum Min Max Product Adasum Compression allreduce allreduce_ allreduce_async "
-        "allreduce_async_ synchronize poll allgather allgather_async broadcast broadcast_ "
-        "broadcast_async broadcast_async_ reducescatter reducescatter_async broadcast_object "
-        "allgather_object barrier join DistributedOptimizer broadcast_parameters "
-        "broadcast_optimizer_state SyncBatchNorm nccl_built mpi_built gloo_built mpi_enabled "
-        "gloo_enabled mpi_threads_supported cuda_built rocm_built"
-    ).split()
+    names = [
+        "init",
+        "shutdown",
+        "is_initialized",
+        "rank",
+        "size",
+        "local_rank",
+        "local_size",
+        "cross_rank",
+        "cross_size",
+        "Average",
+        "Sum",
+        "Min",
+        "Max",
+        "Product",
+        "Adasum",
+        "Compression",
+        "allreduce",
+        "allreduce_",
+        "allreduce_async",
+        "allreduce_async_",
+        "synchronize",
+        "poll",
+        "allgather",
+        "allgather_async",
+        "broadcast",
+        "broadcast_",
+        "broadcast_async",
+        "broadcast_async_",
+        "reducescatter",
+        "reducescatter_async",
+        "broadcast_object",
+        "allgather_object",
+        "barrier",
+        "join",
+        "DistributedOptimizer",
+        "broadcast_parameters",
+        "broadcast_optimizer_state",
+        "SyncBatchNorm",
+        "nccl_built",
+        "mpi_built",
+        "gloo_built",
+        "mpi_enabled",
+        "gloo_enabled",
+        "mpi_threads_supported",
+        "cuda_built",
+        "rocm_built",
+    ]
     missing = [name for name in names if not hasattr(hvd, name)]
     assert not missing, missing
     assert hvd.Compression.fp16 is not hvd.Compression.none
