@@ -5,6 +5,15 @@ whatever task the test sends them (a picklable top-level function called as
 ``fn(comm, *args)``), returning each rank's result or error. One cluster
 serves many hypothesis examples, so property tests pay the start-up once.
 Every wait is bounded, and ``close()`` kills whatever is left.
+
+Ports. ``ringcore.init`` needs rank 0's store port named in advance, and
+any other process may take a port between the moment a test finds it free
+and the moment rank 0 binds it. :func:`free_port` picks ports below the
+kernel's ephemeral range, so no connection's local port can be one, and
+never hands a port out twice; what is left (another process binding the
+same port on purpose meanwhile) makes rank 0 fail to serve its store, or the
+others meet a stranger's store and fail its handshake: ``Cluster`` then
+starts again on another port.
 """
 
 from __future__ import annotations
@@ -13,6 +22,8 @@ import contextlib
 import dataclasses
 import multiprocessing
 import os
+import random
+import secrets
 import signal
 import socket
 import threading
@@ -29,10 +40,40 @@ _CTX = multiprocessing.get_context("forkserver")
 _CTX.set_forkserver_preload(["numpy", "ringcore", "pytest", "hypothesis", "tests.tasks"])
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# Below Linux's default ephemeral range (32768-60999): the kernel never gives these to a
+# connecting socket, so only a process that binds one on purpose can take it meanwhile.
+PORTS = (20000, 32767)
+_HANDED_OUT: set[int] = set()
+
+
+def free_port(neighbours: int = 1) -> int:
+    """A port on 127.0.0.1 that is free now, with ``neighbours`` free ports after it, below the ephemeral range.
+
+    The default neighbour serves launchers that put ringcore's store on
+    ``MASTER_PORT + 1`` (torchrun). Binding port 0 and releasing it instead
+    would hand out an ephemeral port, which any connection on the host may
+    take as its local port before the job binds it.
+    """
+    rng = random.Random()
+    low, high = PORTS
+    for _ in range(1000):
+        port = rng.randrange(low, high - neighbours)
+        if not _HANDED_OUT.isdisjoint(range(port, port + neighbours + 1)):
+            continue  # free, but given to an earlier caller of this process that may not have bound it yet
+        probes = []
+        try:
+            for candidate in range(port, port + neighbours + 1):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+        _HANDED_OUT.update(range(port, port + neighbours + 1))
+        return port
+    raise RuntimeError(f"no {neighbours + 1} free ports in a row in {low}-{high} on 127.0.0.1")
 
 
 @dataclasses.dataclass
@@ -85,27 +126,32 @@ class Cluster:
     def __init__(self, size: int, env: dict[str, str] | None = None, timeout: float = 60.0) -> None:
         self.size = size
         self.timeout = timeout
-        port = free_port()
+        for attempt in range(3):
+            replies = self._start(free_port(), env or {}, timeout)
+            failed = [r for r, (status, _) in enumerate(replies) if status != "ready"]
+            if not failed:
+                break
+            self.close()
+            if attempt == 2 or not any(_port_taken(replies[r][1]) for r in failed):
+                raise RuntimeError(f"ranks {failed} failed to start: {[replies[r] for r in failed]}")
+        self.pids = [value for _, value in replies]
+
+    def _start(self, port: int, env: dict[str, str], timeout: float) -> list[tuple[str, Any]]:
         base = {
             "RINGCORE_TIMEOUT": "30",
             "RINGCORE_INIT_TIMEOUT": "30",
-            "RINGCORE_SECRET": f"test-{port}",
-            **(env or {}),
+            "RINGCORE_SECRET": f"test-{port}-{secrets.token_hex(8)}",  # a stranger on the port fails the handshake
+            **env,
         }
         self.pipes = []
         self.procs = []
-        for rank in range(size):
+        for rank in range(self.size):
             parent, child = _CTX.Pipe()
-            proc = _CTX.Process(target=_worker, args=(rank, size, port, child, base), daemon=True)
+            proc = _CTX.Process(target=_worker, args=(rank, self.size, port, child, base), daemon=True)
             proc.start()
             self.pipes.append(parent)
             self.procs.append(proc)
-        replies = self._collect(range(size), timeout)
-        failed = [r for r, (status, _) in enumerate(replies) if status != "ready"]
-        if failed:
-            self.close()
-            raise RuntimeError(f"ranks {failed} failed to start: {[replies[r] for r in failed]}")
-        self.pids = [value for _, value in replies]
+        return self._collect(range(self.size), timeout)
 
     def _collect(self, ranks: Any, timeout: float) -> list[tuple[str, Any]]:
         deadline = time.monotonic() + timeout
@@ -164,10 +210,28 @@ class Cluster:
         self.close()
 
 
+def _port_taken(error: Any) -> bool:
+    """Whether a rank failed to start because another process had the job's port (see the module docstring)."""
+    if not isinstance(error, RankError):
+        return False
+    return error.type_name == "AuthenticationError" or "could not serve the rendezvous store" in error.message
+
+
 def _as_error(status: str, value: Any) -> Any:
     if isinstance(value, RankError):
         return value
     return RankError(status, f"rank gave no answer ({status}, {value})", None, "")
+
+
+def read_stamp(path: Any, bound: float = 10.0) -> float:
+    """The wall-clock time a rank wrote to ``path`` when it injected a fault (``tasks._stamp``)."""
+    from pathlib import Path
+
+    deadline = time.monotonic() + bound
+    while not Path(path).exists():
+        assert time.monotonic() < deadline, f"the victim never injected its fault ({path})"
+        time.sleep(0.01)
+    return float(Path(path).read_text())
 
 
 def qualified(cls: type) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -265,42 +267,46 @@ def _qualified(err: BaseException) -> str:
     return f"{type(err).__module__}.{type(err).__qualname__}"
 
 
-def allreduce_until_failure(comm: Any, count: int, max_rounds: int) -> dict[str, Any]:
+def allreduce_until_failure(
+    comm: Any, count: int, max_rounds: int, fault: tuple[int, str, str, float] | None = None
+) -> dict[str, Any]:
     """Allreduce a random float32 buffer (fresh copy each round) until a collective fails.
 
     Returns the error's type, message and ``peer`` attribute, the number of
     rounds that succeeded, whether the failed round left the buffer as it was
-    outside the elements its note names, and those elements.
+    outside the elements its note names, and those elements. ``fault``:
+    ``(victim, kind, stamp, fraction)``: the victim injects ``kind`` (see
+    :func:`_inject`) from inside round 1's allreduce (:class:`SendTrigger`).
     """
     import time
 
     original = np.random.default_rng(comm.rank).standard_normal(count, dtype=np.float32)
     buf = np.empty_like(original)
-    for rounds in range(max_rounds):
-        np.copyto(buf, original)
-        try:
-            comm.allreduce(buf)
-        except Exception as err:
-            return {
-                "error": _qualified(err),
-                "message": str(err),
-                "peer": getattr(err, "peer", None),
-                "rounds": rounds,
-                "untouched": untouched_except_noted(buf, original, err),
-                "exposed": exposed_range(err),
-                "failed_at": time.time(),
-            }
+    with fault_in_round_one(comm, fault) as next_round:
+        for rounds in range(max_rounds):
+            next_round(rounds)
+            np.copyto(buf, original)
+            try:
+                comm.allreduce(buf)
+            except Exception as err:
+                return {
+                    "error": _qualified(err),
+                    "message": str(err),
+                    "peer": getattr(err, "peer", None),
+                    "rounds": rounds,
+                    "untouched": untouched_except_noted(buf, original, err),
+                    "exposed": exposed_range(err),
+                    "failed_at": time.time(),
+                }
     return {"error": "no error", "rounds": max_rounds}
 
 
-def exit_or_barrier(comm: Any, victim: int, delay: float) -> str:
-    """The victim exits abruptly (``os._exit``) after ``delay`` s; every other rank enters a barrier."""
+def exit_or_barrier(comm: Any, victim: int) -> str:
+    """Every rank enters a barrier; the victim exits abruptly (``os._exit(3)``) from inside it, at its first send."""
     import os
-    import time
 
     if comm.rank == victim:
-        time.sleep(delay)
-        os._exit(3)
+        SendTrigger(comm.transport).arm(1, lambda: os._exit(3))
     comm.barrier()
     return "barrier passed"
 
@@ -482,6 +488,98 @@ def _hook_phase(comm: Any, fault: str, phase: str, after: int, stamp: str) -> An
         execute.Executor._combine = original
 
     return undo
+
+
+class SendTrigger:
+    """Counts the sends this rank's transport posts and runs an action just before a chosen one.
+
+    Every executor (the pipelined one, the latency path, the staged GPU one)
+    posts its sends through the transport's ``isend``, or ``swap`` on TCP's
+    latency path; wrapping those two calls on the instance locates a point
+    inside any collective without reaching into an executor. ``arm(at,
+    action)`` runs ``action`` before the ``at``-th send from then on;
+    ``remove()`` restores the transport.
+    """
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        self.posted = 0
+        self.fire_at = 0
+        self.action: Any = None
+        isend, swap = transport.isend, getattr(transport, "swap", None)
+
+        def counted_isend(*args: Any) -> Any:
+            self._count()
+            return isend(*args)
+
+        def counted_swap(send: Any, *rest: Any) -> Any:
+            if send is not None:
+                self._count()
+            return swap(send, *rest)  # type: ignore[misc]
+
+        transport.isend = counted_isend
+        self.patched = ["isend"]
+        if swap is not None:
+            transport.swap = counted_swap
+            self.patched.append("swap")
+
+    def _count(self) -> None:
+        self.posted += 1
+        if self.action is not None and self.posted == self.fire_at:
+            action, self.action = self.action, None
+            action()
+
+    def arm(self, at: int, action: Any) -> None:
+        self.posted, self.fire_at, self.action = 0, at, action
+
+    def remove(self) -> None:
+        for name in self.patched:
+            self.transport.__dict__.pop(name, None)
+
+
+@contextlib.contextmanager
+def fault_in_round_one(comm: Any, fault: tuple[int, str, str, float] | None) -> Iterator[Any]:
+    """Yield ``next_round(i)``, to call before each round; with ``fault = (victim, kind, stamp, fraction)``
+    the victim injects ``kind`` inside round 1, at the send ``fraction`` of the way through the sends
+    it posted in round 0 (which every rank completes)."""
+    if fault is None or comm.rank != fault[0]:
+        yield lambda round_: None
+        return
+    _, kind, stamp, fraction = fault
+    trigger = SendTrigger(comm.transport)
+    trigger.arm(0, None)
+
+    def next_round(round_: int) -> None:
+        if round_ == 1:
+            trigger.arm(max(1, round(fraction * trigger.posted)), lambda: _inject(comm, kind, stamp))
+
+    try:
+        yield next_round
+    finally:
+        trigger.remove()
+
+
+def partial_sums_after_fault(comm: Any, count: int, fault: tuple[int, str, str, float]) -> dict[str, Any]:
+    """Allreduce ``x_r[i] = 2**r + 2**size * (i % 4096)`` (float32, exact) until the victim's fault, inside round 1.
+
+    Any sum of these over a subset of ranks names its subset (the low bits)
+    and its element (the rest), so the test can tell each element of the
+    buffer a failed allreduce left: the input, a partial sum, or neither.
+    Returns the error's type, peer and notes, the rounds that succeeded, and
+    the buffer as the failure left it.
+    """
+    original = (2.0**comm.rank + 2.0**comm.size * (np.arange(count) % 4096)).astype(np.float32)
+    buf = np.empty_like(original)
+    with fault_in_round_one(comm, fault) as next_round:
+        for rounds in range(3):
+            next_round(rounds)
+            np.copyto(buf, original)
+            try:
+                comm.allreduce(buf)
+            except Exception as err:
+                report = {"error": _qualified(err), "peer": getattr(err, "peer", None), "rounds": rounds}
+                return {**report, "notes": " ".join(getattr(err, "__notes__", [])), "buf": buf}
+    return {"error": "no error", "rounds": 3, "notes": "", "buf": buf}
 
 
 def fault_rounds(
@@ -844,42 +942,57 @@ def repeated_allreduce(comm: Any, count: int, rounds: int) -> dict[str, Any]:
     return {"first": first, "after": comm.transport.cache.registrations, "ok": bool((buf == expected).all())}
 
 
-def sliced_allreduce_until_failure(comm: Any, count: int, max_rounds: int) -> dict[str, Any]:
+def sliced_allreduce_until_failure(
+    comm: Any, count: int, max_rounds: int, fault: tuple[int, str, str, float] | None = None
+) -> dict[str, Any]:
     """Allreduce (sum) a buffer reduced in several slices until a collective fails.
 
     Reports whether what the failure left matches its promise: the elements
     the error's note says are done hold the sum of every rank's input (each
     rank's input is rebuilt here from its seed), those it says may hold
-    partial sums are skipped, and the rest are the caller's.
+    partial sums are skipped, and the rest are the caller's. ``fault``: as
+    for :func:`allreduce_until_failure`.
     """
-    import re
-
     inputs = [np.random.default_rng(r).standard_normal(count, dtype=np.float32) for r in range(comm.size)]
     want = np.sum(inputs, axis=0, dtype=np.float64)
     original = inputs[comm.rank]
     buf = np.empty_like(original)
-    for rounds in range(max_rounds):
-        np.copyto(buf, original)
-        try:
-            comm.allreduce(buf)
-        except Exception as err:
-            notes = " ".join(getattr(err, "__notes__", []))
-            match = re.search(r"elements \[0, (\d+)\) of \d+ already hold", notes)
-            done = int(match.group(1)) if match else 0
-            exposed = exposed_range(err) or (done, done)
-            return {
-                "error": _qualified(err),
-                "rounds": rounds,
-                "done": done,
-                "exposed": exposed,
-                "notes": notes,
-                "done_reduced": bool(np.allclose(buf[:done], want[:done], rtol=1e-5, atol=1e-4)),
-                "rest_untouched": exposed[0] == done
-                and bool(np.array_equal(buf[exposed[1] :], original[exposed[1] :])),
-            }
-        if not np.allclose(buf, want, rtol=1e-5, atol=1e-4):
-            return {"error": "wrong result", "rounds": rounds}
+    with fault_in_round_one(comm, fault) as next_round:
+        for rounds in range(max_rounds):
+            next_round(rounds)
+            report = _sliced_round(comm, buf, original, want, rounds)
+            if report is not None:
+                return report
     return {"error": "no error", "rounds": max_rounds}
+
+
+def _sliced_round(
+    comm: Any, buf: np.ndarray, original: np.ndarray, want: np.ndarray, rounds: int
+) -> dict[str, Any] | None:
+    """One round of :func:`sliced_allreduce_until_failure`: its report if it failed or was wrong."""
+    import re
+
+    np.copyto(buf, original)
+    try:
+        comm.allreduce(buf)
+    except Exception as err:
+        notes = " ".join(getattr(err, "__notes__", []))
+        match = re.search(r"elements \[0, (\d+)\) of \d+ already hold", notes)
+        done = int(match.group(1)) if match else 0
+        exposed = exposed_range(err) or (done, done)
+        return {
+            "error": _qualified(err),
+            "rounds": rounds,
+            "done": done,
+            "exposed": exposed,
+            "notes": notes,
+            "done_reduced": bool(np.allclose(buf[:done], want[:done], rtol=1e-5, atol=1e-4)),
+            "rest_untouched": exposed[0] == done
+            and bool(np.array_equal(buf[exposed[1] :], original[exposed[1] :])),
+        }
+    if not np.allclose(buf, want, rtol=1e-5, atol=1e-4):
+        return {"error": "wrong result", "rounds": rounds}
+    return None
 
 
 def allreduce_algorithm(comm: Any, count: int, itemsize: int, sliced: bool = False) -> str:

@@ -13,6 +13,7 @@ fails here.
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -498,6 +499,17 @@ def test_tcp_exchange_refuses_a_mismatched_frame(tcp: Callable[..., list]) -> No
     assert info.value.field == "tag" and info.value.peer == 1
 
 
+def wait_readable(*socks: socket.socket, bound: float = DEADLINE) -> None:
+    """Return once every one of ``socks`` has bytes waiting (instead of sleeping and hoping)."""
+    waiting = list(socks)
+    end = time.monotonic() + bound
+    while waiting:
+        left = end - time.monotonic()
+        assert left > 0, f"no bytes arrived within {bound} s"
+        readable, _, _ = select.select(waiting, [], [], left)
+        waiting = [sock for sock in waiting if sock not in readable]
+
+
 def swap_until_done(transport, send: tuple | None, recv: tuple | None, tag: int) -> None:
     """One lockstep step on TCP's direct path; whatever it hands back, progress finishes."""
     left = transport.swap(send, recv, tag, SIG)
@@ -546,7 +558,8 @@ def test_tcp_swap_hands_a_half_read_frame_to_progress(
     frame = wire.pack(wire.DATA, 3, SIG, nbytes) + payload.tobytes()
     raw = t[1].conns[(0, 0)].sock
     raw.sendall(frame[:first])
-    time.sleep(0.05)  # the first part is in rank 0's socket before it reads
+    if first:
+        wait_readable(t[0].conns[(1, 0)].sock)  # the first part is in rank 0's socket before it reads
     got = np.zeros(nbytes, np.uint8)
     left = t[0].swap(None, (1, 0, view(got)), 3, SIG)
     assert left is not None and left[1] is not None and not left[1].done, "the frame cannot be complete yet"
@@ -597,7 +610,7 @@ def test_tcp_a_receive_that_arrived_with_an_abort_completes_first(tcp: Callable[
     received = t[0].irecv(1, 0, 1, SIG, view(out))
     drive(t[1], [t[1].isend(0, 0, 1, SIG, view(np.full(16, 9, np.uint8)))])
     t[2].abort({"kind": "mismatch", "rank": 2, "message": "collective #2: ranks disagree"})
-    time.sleep(0.2)  # both are in rank 0's socket buffers now
+    wait_readable(t[0].conns[(1, 0)].sock, t[0].conns[(2, 0)].sock)  # both are in rank 0's socket buffers
     pump, calls = t[0]._pump, []
 
     def asleep_at_first() -> bool:  # the first try found nothing: rank 0 then sleeps in poll

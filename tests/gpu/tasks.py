@@ -141,21 +141,26 @@ def fake_async(comm: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
     return [b.data for b in bufs] + [host]
 
 
-def fake_until_failure(comm: Any, count: int, rounds: int) -> tuple[str, bool, Any]:
+def fake_until_failure(
+    comm: Any, count: int, rounds: int, fault: tuple[int, str, str, float] | None = None
+) -> tuple[str, bool, Any]:
     """Allreduce a GPU buffer (fresh input each round) until a collective fails.
 
     Returns the error's type, whether the buffer kept its input outside the
     elements the error's note says may hold partial sums, and those elements.
+    ``fault``: the victim injects it from inside round 1 (``tests.tasks.fault_in_round_one``).
     """
     from ringcore.device.fake import FakeCudaArray as Array
-    from tests.tasks import exposed_range, untouched_except_noted
+    from tests.tasks import exposed_range, fault_in_round_one, untouched_except_noted
 
     original = np.full(count, comm.rank + 1, np.float32)  # sums differ from every input
     buf = Array(original.copy())
-    for _ in range(rounds):
-        np.copyto(buf.data, original)
-        try:
-            comm.allreduce(buf)
-        except Exception as err:
-            return type(err).__name__, untouched_except_noted(buf.data, original, err), exposed_range(err)
+    with fault_in_round_one(comm, fault) as next_round:
+        for round_ in range(rounds):
+            next_round(round_)
+            np.copyto(buf.data, original)
+            try:
+                comm.allreduce(buf)
+            except Exception as err:
+                return type(err).__name__, untouched_except_noted(buf.data, original, err), exposed_range(err)
     return "none", True, None

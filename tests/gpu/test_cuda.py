@@ -5,8 +5,10 @@ test launches every instantiation on the values of ``test_kernel_rules``
 (specials, random bit patterns), at offsets that exercise the scalar head,
 the 16-byte packs and the tail. The collective tests run N = 2..4 processes
 sharing the GPU over TCP and require each GPU result to equal, bit for bit,
-the host path's on the same inputs (which the host suites check against
-numpy), plus the fp16 compression error bound against the exact sum.
+the host path's on the same inputs, and to keep the rules of numpy's
+reference (``tests/reference.py``: exact for integers, min and max, within
+a rounding bound for sums and products, NaN and infinities where numpy puts
+them), plus the fp16 compression error bound against the exact sum.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
 from tests.cluster import Cluster
 from tests.gpu import tasks
-from tests.gpu.gpu import needs_gpu
+from tests.gpu.gpu import needs_gpu, unavailable
 from tests.gpu.test_fake_cluster import RING_ENV, cases
 from tests.gpu.test_kernel_rules import (
     COUNT,
@@ -32,9 +34,22 @@ from tests.gpu.test_kernel_rules import (
     numpy_casts,  # noqa: F401 (autouse: numpy's casts are the rule)
     values,
 )
+from tests.reference import check_allreduce
 
 pytestmark = [*needs_gpu, pytest.mark.timeout(240)]
-HAS_TORCH_CUDA = importlib.util.find_spec("torch") is not None
+
+
+def torch_cuda() -> bool:
+    """Whether torch is installed with CUDA and sees a device (a CPU build of torch has no CUDA tensors)."""
+    if unavailable() is not None or importlib.util.find_spec("torch") is None:
+        return False  # no GPU here: do not import torch just to ask
+    import torch
+
+    return torch.cuda.is_available()
+
+
+HAS_TORCH_CUDA = torch_cuda()
+NEEDS_TORCH_CUDA = pytest.mark.skipif(not HAS_TORCH_CUDA, reason="no CUDA build of torch")
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
@@ -100,8 +115,8 @@ CONFIGS = [
     ("cupy", 3, RING_ENV, 3001),
     ("cupy", 4, {}, 100),
     ("cupy", 4, RING_ENV, 20000),
-    pytest.param("torch", 2, RING_ENV, 5000, marks=pytest.mark.skipif(not HAS_TORCH_CUDA, reason="no torch")),
-    pytest.param("torch", 4, {}, 100, marks=pytest.mark.skipif(not HAS_TORCH_CUDA, reason="no torch")),
+    pytest.param("torch", 2, RING_ENV, 5000, marks=NEEDS_TORCH_CUDA),
+    pytest.param("torch", 4, {}, 100, marks=NEEDS_TORCH_CUDA),
 ]
 
 
@@ -110,12 +125,13 @@ def test_gpu_buffers_equal_host_path(kind: str, size: int, env: dict, count: int
     with Cluster(size, env=env) as cluster:
         all_cases = cases(size, count)
         results = cluster.results(tasks.real_vs_host, all_cases, kind, timeout=200)
-        for c, (_, bfloat16, op, compression) in enumerate(all_cases):
+        for c, (inputs, bfloat16, op, compression) in enumerate(all_cases):
             for rank in range(size):
                 gpu, host = results[rank][c]
                 label = f"{kind} case {c} ({host.dtype}, bf16={bfloat16}, {op}, {compression}) rank {rank}"
                 np.testing.assert_array_equal(gpu, host, err_msg=label)
                 np.testing.assert_array_equal(host, results[0][c][1], err_msg=label)
+            check_allreduce(results[0][c][0], inputs, op, compression, bfloat16, where=f"{kind} case {c}")
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -129,6 +145,7 @@ def test_fp16_compression_error_bound(size: int) -> None:
     for rank_results in results:
         got = rank_results[0][0].view(np.float32)
         assert np.all(np.abs(got - exact) <= bound)
+        check_allreduce(got, inputs, "sum", "fp16")
 
 
 def test_broadcast_cupy() -> None:

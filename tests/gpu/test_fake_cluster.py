@@ -4,20 +4,26 @@ Each rank reduces the same inputs twice, as a (fake) GPU buffer, which takes
 the whole device path (``__cuda_array_interface__`` -> device plans ->
 staged executor with late-running streams -> pinned slots -> TCP), and as a
 host buffer; the two results must be bitwise identical on every rank. The
-``ring`` configuration shrinks segments so a few thousand elements cross
-many segments over two channels; the default one takes recursive doubling.
+fake device does its arithmetic with the host's ``Reducer`` itself, so the
+GPU results are also checked against numpy alone (``tests/reference.py``):
+host and device agreeing on a wrong answer would pass the first check, not
+this one. The ``ring`` configuration shrinks segments so a few thousand
+elements cross many segments over two channels; the default one takes
+recursive doubling.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests import tasks as host_tasks
-from tests.cluster import Cluster
+from tests.cluster import Background, Cluster
 from tests.gpu import tasks
+from tests.reference import check_allreduce
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,13 +73,14 @@ def test_gpu_path_equals_host_path(size: int, env: dict, count: int) -> None:
         cluster.results(tasks.use_fake, 11)
         all_cases = cases(size, count)
         results = cluster.results(tasks.fake_vs_host, all_cases, timeout=240)
-        for c, (_, bfloat16, op, compression) in enumerate(all_cases):
+        for c, (inputs, bfloat16, op, compression) in enumerate(all_cases):
             reference = results[0][c][1]
             for rank in range(size):
                 gpu, host = results[rank][c]
-                label = f"case {c} ({gpu.dtype}, bf16={bfloat16}, {op}, {compression}) rank {rank}"
+                label = f"case {c} ({inputs[0].dtype}, bf16={bfloat16}, {op}, {compression}) rank {rank}"
                 np.testing.assert_array_equal(gpu, host, err_msg=label)
                 np.testing.assert_array_equal(host, reference, err_msg=label)
+            check_allreduce(reference, inputs, op, compression, bfloat16, where=f"case {c}")
 
 
 def test_broadcast_every_root() -> None:
@@ -115,6 +122,7 @@ def test_mixed_ring_of_host_and_gpu_ranks_agrees() -> None:
             host = cluster.results(host_tasks.allreduce, inputs, op, compression)  # every rank on the host
             for result in results:
                 np.testing.assert_array_equal(result, host[0].view(np.uint32), err_msg=f"{op} {compression}")
+            check_allreduce(results[1], inputs, op, compression, where="mixed ring")
 
 
 def test_async_gpu_allreduces() -> None:
@@ -128,24 +136,24 @@ def test_async_gpu_allreduces() -> None:
             want = cluster.results(host_tasks.allreduce, [x] * size, "sum", "fp16" if i % 2 else None)[0]
             for rank in range(size):
                 np.testing.assert_array_equal(got[rank][i], want)
+            check_allreduce(got[0][i], [x] * size, "sum", "fp16" if i % 2 else None, where=f"async {i}")
         np.testing.assert_array_equal(got[0][-1], inputs[0] * size)
 
 
 @pytest.mark.parametrize("atomic", ["0", "1"])
-def test_dead_peer_leaves_the_gpu_buffer_untouched_except_what_the_note_names(atomic: str) -> None:
-    """With RINGCORE_ATOMIC=1 the note names nothing: the staged executor restored the buffer."""
-    import signal
-    import time
+def test_dead_peer_leaves_the_gpu_buffer_untouched_except_what_the_note_names(
+    atomic: str, tmp_path: Path
+) -> None:
+    """Rank 1 kills itself inside the second GPU allreduce, halfway through its sends.
 
-    from tests.cluster import Background
-
+    With RINGCORE_ATOMIC=1 the note names nothing: the staged executor restored the buffer.
+    """
     env = {**RING_ENV, "RINGCORE_TIMEOUT": "10", "RINGCORE_ATOMIC": atomic}
+    fault = (1, "kill9", str(tmp_path / "killed_at"), 0.5)
     with Cluster(2, env=env) as cluster:
         cluster.results(tasks.use_fake, 8)
-        survivor = Background(cluster, tasks.fake_until_failure, 200_000, 10_000, ranks=[0], timeout=60)
-        Background(cluster, tasks.fake_until_failure, 200_000, 10_000, ranks=[1], timeout=60)
-        time.sleep(2.0)
-        cluster.kill(1, signal.SIGKILL)
+        survivor = Background(cluster, tasks.fake_until_failure, 200_000, 3, fault, ranks=[0], timeout=60)
+        Background(cluster, tasks.fake_until_failure, 200_000, 3, fault, ranks=[1], timeout=60)
         ((error, untouched, exposed),) = survivor.join()
         assert error in ("PeerFailure", "CollectiveTimeout") and untouched, (error, untouched)
         assert (exposed is None) == (atomic == "1"), exposed
@@ -166,6 +174,7 @@ def test_mixed_ring_agrees_well_above_the_slice_size() -> None:
             host = cluster.results(host_tasks.allreduce, inputs, op, compression)
             for result in results:
                 np.testing.assert_array_equal(result, host[0].view(np.uint32), err_msg=f"{op} {compression}")
+            check_allreduce(results[1], inputs, op, compression, where="sliced mixed ring")
         broadcast = [np.arange(40_000, dtype=np.float64) * (r + 1) for r in range(size)]
         for result in cluster.results(tasks.fake_broadcast, broadcast, 1):
             np.testing.assert_array_equal(result, broadcast[1])

@@ -3,7 +3,8 @@
 See ``mock_cupy.py``: the kernels are the host build of the CUDA element
 rules, called with the arguments ringcore passes to the real ones. The
 staged executor runs on it in-process, and whole collectives run on it across
-processes over TCP, bitwise against the host path.
+processes over TCP, bitwise against the host path and within the rules of
+numpy's reference (``tests/reference.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tests.cluster import Cluster
 from tests.gpu import mock_cupy, tasks
 from tests.gpu.test_fake_cluster import RING_ENV, cases
 from tests.gpu.test_staging import CASES, host_allreduce, inputs, staged_allreduce
+from tests.reference import check_allreduce
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -35,6 +37,8 @@ def test_staged_executor_on_the_cupy_layer(dtype: str, op: ReduceOp, comp: Compr
         np.testing.assert_array_equal(
             got[rank].view(f"u{got[rank].itemsize}"), want[rank].view(f"u{want[rank].itemsize}")
         )
+    compression = None if comp is Compression.NONE else comp.value
+    check_allreduce(got[0], values, op.value, compression, bfloat16=dtype == "bfloat16")
 
 
 def test_collectives_through_the_cupy_layer() -> None:
@@ -43,8 +47,9 @@ def test_collectives_through_the_cupy_layer() -> None:
         cluster.results(tasks.use_mock_cupy)
         all_cases = cases(size, 3001)
         results = cluster.results(tasks.fake_vs_host, all_cases, timeout=240)
-        for c, (_, bfloat16, op, compression) in enumerate(all_cases):
+        for c, (inputs, bfloat16, op, compression) in enumerate(all_cases):
             for rank in range(size):
                 gpu, host = results[rank][c]
                 label = f"case {c} ({host.dtype}, bf16={bfloat16}, {op}, {compression}) rank {rank}"
                 np.testing.assert_array_equal(gpu, host, err_msg=label)
+            check_allreduce(results[0][c][0], inputs, op, compression, bfloat16, where=f"case {c}")

@@ -3,9 +3,11 @@
 Each scenario gets a fresh cluster, because a failed collective breaks the
 communicator for good (later calls raise ``CommunicatorClosed``). Ranks that
 will fail are driven from background threads, one per group of ranks, so the
-test can kill or stop a rank while the others are inside a collective and
-still collect the survivors' answers without waiting on the victim. Time
-bounds only cap how long failure detection may take; they are generous.
+test can collect the survivors' answers without waiting on the victim. The
+victim kills or stops itself from inside the collective (at a send it posts,
+``tasks.SendTrigger``), after a round that every rank completed, and stamps
+the time first; no sleep in the test has to guess when the others are busy.
+Time bounds only cap how long failure detection may take; they are generous.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,10 +23,10 @@ import pytest
 
 import ringcore
 from tests import tasks
-from tests.cluster import Background, Cluster, RankError, collect, free_port, qualified
+from tests.cluster import Background, Cluster, RankError, collect, free_port, qualified, read_stamp
 
 DETECTION_BOUND = 30.0  # seconds from the kill to every survivor's error
-BIG = 8_000_000  # float32 elements: the ring path, many segments, ~0.1 s+ per allreduce
+BIG = 2_000_000  # float32 elements (8 MB): the ring path, many segments per step
 
 
 def others(size: int, victim: int) -> list[int]:
@@ -129,21 +132,23 @@ def test_failed_allreduce_leaves_buffer_untouched() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("size", "victim"), [(3, 1), (4, 0), (5, 4)])
-def test_sigkill_mid_allreduce_fails_every_survivor(size: int, victim: int) -> None:
+def test_sigkill_mid_allreduce_fails_every_survivor(size: int, victim: int, tmp_path: Path) -> None:
     """Rank 0 hosts the rendezvous store, so killing it is a case of its own."""
+    fault = (victim, "kill9", str(tmp_path / "killed_at"), 0.5)  # halfway through its sends
     with Cluster(size, env={"RINGCORE_TIMEOUT": "20"}) as cluster:
         survivors = others(size, victim)
-        doomed = Background(cluster, tasks.allreduce_until_failure, BIG, 10_000, ranks=[victim], timeout=90)
-        working = Background(cluster, tasks.allreduce_until_failure, BIG, 10_000, ranks=survivors, timeout=90)
-        time.sleep(0.5)
-        cluster.kill(victim)
-        killed_at = time.time()
+        doomed = Background(cluster, tasks.allreduce_until_failure, BIG, 3, fault, ranks=[victim], timeout=90)
+        working = Background(
+            cluster, tasks.allreduce_until_failure, BIG, 3, fault, ranks=survivors, timeout=90
+        )
         reports = working.join(DETECTION_BOUND + 30)
         (victim_report,) = doomed.join(30)
+        killed_at = read_stamp(fault[2])
         assert isinstance(victim_report, RankError) and victim_report.type_name == "dead", victim_report
         for rank, report in zip(survivors, reports, strict=True):
             assert not isinstance(report, RankError), (rank, report)
             assert report["error"] == qualified(ringcore.PeerFailure), (rank, report)
+            assert report["rounds"] >= 1, (rank, report)  # round 0 succeeded: the kill came inside round 1
             assert report["peer"] == victim, (rank, report)
             assert f"rank {victim}" in report["message"], (rank, report)
             assert report["untouched"], f"rank {rank}: the failed allreduce wrote outside its note's range"
@@ -157,9 +162,10 @@ def test_sigkill_mid_allreduce_fails_every_survivor(size: int, victim: int) -> N
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(("size", "victim"), [(3, 2), (4, 0)])
 def test_rank_exiting_during_barrier_fails_the_others(size: int, victim: int) -> None:
+    """The victim exits from inside the barrier, at its first send."""
     with Cluster(size, env={"RINGCORE_TIMEOUT": "20"}) as cluster:
         started = time.monotonic()
-        outcomes = cluster.run(tasks.exit_or_barrier, victim, 0.5, timeout=DETECTION_BOUND + 30)
+        outcomes = cluster.run(tasks.exit_or_barrier, victim, timeout=DETECTION_BOUND + 30)
         elapsed = time.monotonic() - started
     assert isinstance(outcomes[victim], RankError) and outcomes[victim].type_name == "dead", outcomes[victim]
     for rank in others(size, victim):
@@ -186,8 +192,8 @@ def test_rank_dead_before_the_collective() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_stopped_rank_times_out() -> None:
-    """SIGSTOP rank 1 with RINGCORE_TIMEOUT=3.
+def test_stopped_rank_times_out(tmp_path: Path) -> None:
+    """Rank 1 stops itself (SIGSTOP) inside an allreduce, with RINGCORE_TIMEOUT=3.
 
     What the engine does: rank 2, which receives from rank 1, sees no progress
     for 3 s and raises CollectiveTimeout; its ABORT (kind "timeout") reaches
@@ -199,21 +205,21 @@ def test_stopped_rank_times_out() -> None:
     CollectiveTimeout or PeerFailure instead of hanging.
     """
     victim, survivors = 1, [0, 2]
+    fault = (victim, "sigstop", str(tmp_path / "stopped_at"), 0.5)
     with Cluster(3, env={"RINGCORE_TIMEOUT": "3"}) as cluster:
         try:
             stopped = Background(
-                cluster, tasks.allreduce_until_failure, BIG, 10_000, ranks=[victim], timeout=90
+                cluster, tasks.allreduce_until_failure, BIG, 3, fault, ranks=[victim], timeout=90
             )
             working = Background(
-                cluster, tasks.allreduce_until_failure, BIG, 10_000, ranks=survivors, timeout=90
+                cluster, tasks.allreduce_until_failure, BIG, 3, fault, ranks=survivors, timeout=90
             )
-            time.sleep(0.5)
-            cluster.kill(victim, signal.SIGSTOP)
-            stopped_at = time.time()
             reports = working.join(DETECTION_BOUND + 30)
+            stopped_at = read_stamp(fault[2])
             for rank, report in zip(survivors, reports, strict=True):
                 assert not isinstance(report, RankError), (rank, report)
                 assert report["error"] == qualified(ringcore.CollectiveTimeout), (rank, report)
+                assert report["rounds"] >= 1, (rank, report)
                 assert "no progress for 3 s" in report["message"], (rank, report)
                 assert report["untouched"], (rank, report)
                 assert report["failed_at"] - stopped_at < DETECTION_BOUND, (rank, report)

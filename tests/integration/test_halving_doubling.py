@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -159,26 +159,26 @@ def test_ranks_that_disagree_on_the_threshold_fail_at_init_naming_them() -> None
     [(4, 2, "0"), (6, 4, "0"), (4, 2, "1")],  # 4 of 6 is an extra: it folds into 0
 )
 def test_dead_peer_mid_halving_doubling_fails_every_survivor_naming_it(
-    size: int, victim: int, atomic: str
+    size: int, victim: int, atomic: str, tmp_path: Path
 ) -> None:
     """Every survivor names the dead rank; its buffer is untouched outside the range its note gives.
 
     In place (the default) the last halving combine and the doubling steps
     write the caller's buffer, so the note may name all of it; with
     ``RINGCORE_ATOMIC=1`` the result is copied out after the last step, so
-    a failed run leaves the buffer as it was.
+    a failed run leaves the buffer as it was. The victim kills itself halfway
+    through its sends of the second allreduce.
     """
     count = 250_000  # 1 MB: halving-doubling, a few ms per allreduce
     survivors = [r for r in range(size) if r != victim]
+    fault = (victim, "kill9", str(tmp_path / "killed_at"), 0.5)
     with Cluster(size, env={"RINGCORE_TIMEOUT": "20", "RINGCORE_ATOMIC": atomic}) as cluster:
         doomed = Background(
-            cluster, tasks.allreduce_until_failure, count, 100_000, ranks=[victim], timeout=90
+            cluster, tasks.allreduce_until_failure, count, 3, fault, ranks=[victim], timeout=90
         )
         working = Background(
-            cluster, tasks.allreduce_until_failure, count, 100_000, ranks=survivors, timeout=90
+            cluster, tasks.allreduce_until_failure, count, 3, fault, ranks=survivors, timeout=90
         )
-        time.sleep(1.0)
-        cluster.kill(victim)
         reports = working.join(60)
         (victim_report,) = doomed.join(30)
     assert isinstance(victim_report, RankError) and victim_report.type_name == "dead", victim_report

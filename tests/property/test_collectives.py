@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from tests import tasks
 from tests.cluster import Cluster, RankError
+from tests.reference import check_allreduce
 
 try:
     import ml_dtypes
@@ -242,6 +243,70 @@ def test_allreduce_fp16_compression(live: LiveCluster, data: st.DataObject) -> N
     results = live.run(tasks.allreduce, inputs, op, "fp16")
     assert_identical(results)
     assert_reduced(results[0], inputs, op, dtype, compression="fp16")
+
+
+# NaN, infinities, signed zeros, subnormals, the ends of each format's range and float16's (fp16 on
+# the wire overflows past 65504, rounds to infinity from 65520 and flushes below 2**-25).
+SPECIALS = [np.nan, np.inf, -np.inf, 0.0, -0.0, 65504.0, 65520.0, -7e4, 2.0**-24, 2.0**-25, 1e-40, 3e38]
+SPECIAL_CONFIGS = ["n1", "n2", "n4", "ring3", "ring5", "halving5"]
+
+
+def special_values(dtype: str) -> st.SearchStrategy[float]:
+    """Floats of ``dtype``'s width with NaN, infinities, subnormals, and the values above."""
+    width = {"float16": 16, "float64": 64}.get(dtype, 32)  # bfloat16: drawn as float32, then rounded
+    info = np.finfo(np.float32 if dtype == "bfloat16" else dtype)
+    ends = [float(info.max), -float(info.max), float(info.tiny), float(info.smallest_subnormal)]
+    return st.one_of(
+        st.sampled_from(SPECIALS + ends),
+        st.floats(width=width, allow_nan=True, allow_infinity=True, allow_subnormal=True),
+    )
+
+
+def special_inputs(data: st.DataObject, size: int, dtype: str, counts: list[int]) -> list[np.ndarray]:
+    """One array per rank: ordinary values with specials drawn by hypothesis scattered over them."""
+    count = data.draw(st.sampled_from(counts), label="count")
+    pool = data.draw(st.lists(special_values(dtype), min_size=1, max_size=12), label="specials")
+    density = data.draw(st.sampled_from([0.05, 0.5, 1.0]), label="density")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32), label="seed"))
+    values = rng.uniform(-4, 4, (size, count))
+    chosen = rng.random((size, count)) < density
+    values[chosen] = rng.choice(np.array(pool), int(chosen.sum()))
+    with np.errstate(over="ignore"):  # float16's overflow to infinity is one of the values wanted
+        return list(values.astype(dtype_of(dtype)))
+
+
+@pytest.mark.parametrize("live", SPECIAL_CONFIGS, indirect=True)
+@pytest.mark.timeout(240)
+@settings(PROPERTY, max_examples=min(25, EXAMPLES))
+@given(data=st.data())
+def test_allreduce_special_values_match_numpy(live: LiveCluster, data: st.DataObject) -> None:
+    """Specials scattered over ordinary values, every float dtype, op and compression, against
+    ``tests/reference.py`` (numpy's semantics: exact for min and max, NaN where numpy has NaN,
+    infinities with their sign, sums and products within rounding where no partial result can
+    overflow, and only what every order of evaluation agrees on where one can)."""
+    dtype = data.draw(st.sampled_from(FLOATS), label="dtype")
+    op = data.draw(st.sampled_from(OPS), label="op")
+    compression = data.draw(st.sampled_from([None, "fp16"]), label="compression")
+    inputs = special_inputs(data, live.size, dtype, [1, 3, 64, 1021, 3001])
+    results = live.run(tasks.allreduce, inputs, op, compression)
+    assert_identical(results)
+    check_allreduce(results[0], inputs, op, compression, where=f"{live.name} {dtype}")
+
+
+@pytest.mark.parametrize("live", SPECIAL_CONFIGS, indirect=True)
+@pytest.mark.timeout(240)
+@settings(PROPERTY, max_examples=min(25, EXAMPLES))
+@given(data=st.data())
+def test_reduce_scatter_special_values_match_numpy(live: LiveCluster, data: st.DataObject) -> None:
+    """The same values through reduce_scatter: each rank's chunk against the reference."""
+    dtype = data.draw(st.sampled_from(FLOATS), label="dtype")
+    op = data.draw(st.sampled_from(OPS), label="op")
+    compression = data.draw(st.sampled_from([None, "fp16"]), label="compression")
+    inputs = special_inputs(data, live.size, dtype, [1, 7, 64, 3001])
+    results = live.run(tasks.reduce_scatter, inputs, op, compression)
+    for rank, result in enumerate(results):
+        chunks = [np.array_split(x, live.size)[rank] for x in inputs]
+        check_allreduce(result, chunks, op, compression, where=f"{live.name} {dtype} rank {rank}")
 
 
 @pytest.mark.timeout(240)

@@ -323,24 +323,32 @@ def check_mesh(
             assert connection not in strangers, f"rank {rank} accepted a stranger as rank {peer}"
             assert remote == transports[peer].conns[(rank, channel)].sock.getsockname()[:2]
     results: list[dict[int, np.ndarray]] = [{} for _ in range(size)]
+    errors: dict[int, BaseException] = {}
 
     def body(rank: int) -> None:
-        transport = transports[rank]
-        mine = np.full(64, rank + 1, np.int32)
-        outs = {peer: np.zeros(64, np.int32) for peer in range(size) if peer != rank}
-        requests = [transport.irecv(p, 0, 9, SIG, memoryview(o).cast("B")) for p, o in outs.items()]
-        requests += [transport.isend(p, 0, 9, SIG, memoryview(mine).cast("B")) for p in outs]
-        deadline = time.monotonic() + 15
-        while not all(r.done for r in requests) and time.monotonic() < deadline:
-            transport.progress(0.05)
-        results[rank] = outs
+        try:
+            transport = transports[rank]
+            mine = np.full(64, rank + 1, np.int32)
+            outs = {peer: np.zeros(64, np.int32) for peer in range(size) if peer != rank}
+            requests = [transport.irecv(p, 0, 9, SIG, memoryview(o).cast("B")) for p, o in outs.items()]
+            requests += [transport.isend(p, 0, 9, SIG, memoryview(mine).cast("B")) for p in outs]
+            deadline = time.monotonic() + 15
+            while not all(r.done for r in requests) and time.monotonic() < deadline:
+                transport.progress(0.05)
+            assert all(r.done for r in requests), f"rank {rank}: the exchange did not finish within 15 s"
+            results[rank] = outs
+        except BaseException as err:  # a thread's exception would otherwise vanish with it
+            errors[rank] = err
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(20)
+    assert not any(thread.is_alive() for thread in threads), "a rank's exchange outlived its 20 s join"
+    assert not errors, f"ranks failed the exchange: {errors}"
     for rank in range(size):
+        assert sorted(results[rank]) == [p for p in range(size) if p != rank], (rank, sorted(results[rank]))
         for peer, got in results[rank].items():
             np.testing.assert_array_equal(got, np.full(64, peer + 1, np.int32))
 

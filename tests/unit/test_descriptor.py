@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from ringcore.descriptor import Descriptor, explain, rank_list
@@ -9,10 +13,30 @@ from ringcore.descriptor import Descriptor, explain, rank_list
 BASE = Descriptor("allreduce", 3, "float32", (1000,), "sum", None, "none")
 
 
-def test_signature_is_stable_and_64_bit() -> None:
-    sig = BASE.signature()
-    assert sig == Descriptor("allreduce", 3, "float32", (1000,), "sum", None, "none").signature()
-    assert 0 <= sig < 2**64
+VARIANTS = [
+    BASE,
+    BASE._replace(kind="broadcast", op=None, root=2),
+    BASE._replace(dtype="bfloat16", shape=(3, 5, 7), compression="fp16"),
+    BASE._replace(kind="allgather", shape=(), op=None),
+]
+PRINT_SIGNATURES = (
+    "from ringcore.descriptor import Descriptor\n"
+    "for fields in {fields!r}:\n"
+    "    print(Descriptor(*fields).signature())\n"
+)
+
+
+def test_signature_is_the_same_in_every_process_and_64_bit() -> None:
+    """Ranks compare signatures computed in different processes: no per-process salt (hash
+    randomisation, object ids) may enter it. Computed afresh in an interpreter with another hash
+    seed, not read back from this process's cache."""
+    here = [d.signature() for d in VARIANTS]
+    assert all(0 <= sig < 2**64 for sig in here) and len(set(here)) == len(here)
+    script = PRINT_SIGNATURES.format(fields=[tuple(d) for d in VARIANTS])
+    env = {**os.environ, "PYTHONHASHSEED": "random"}  # a seed of its own, whatever this process runs with
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert [int(line) for line in out.stdout.split()] == here
 
 
 def test_signature_ignores_the_sequence_number() -> None:

@@ -520,5 +520,7 @@ def test_a_rank_that_did_not_run_past_its_timeout_reports_the_timeout() -> None:
     assert isinstance(late, CollectiveTimeout), late
     assert "no progress for 0.3 s" in str(late) and "did not run" in str(late), late
     assert "rank 1 (peer:1) closed the connection" in str(late), late
-    fresh = run_alone(Executor, nap=0.0)  # a peer that fails while this rank is running is the cause
+    # A peer that fails while this rank is running is the cause; a long timeout, so that a loaded
+    # machine pausing this thread cannot make it look late.
+    fresh = run_alone(Executor, nap=0.0, timeout=10.0)
     assert isinstance(fresh, PeerFailure) and fresh.peer == 1, fresh

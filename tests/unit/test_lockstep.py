@@ -189,5 +189,5 @@ def test_disagreeing_broadcast_roots_are_caught_over_rdma() -> None:
 def test_a_rank_that_did_not_run_past_its_timeout_reports_the_timeout() -> None:
     late = run_alone(LockstepExecutor, nap=0.5)
     assert isinstance(late, CollectiveTimeout) and "did not run" in str(late), late
-    fresh = run_alone(LockstepExecutor, nap=0.0)
+    fresh = run_alone(LockstepExecutor, nap=0.0, timeout=10.0)  # a pause of this thread is no timeout
     assert isinstance(fresh, PeerFailure) and fresh.peer == 1, fresh
