@@ -31,6 +31,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[test,ray]'
 	$(BIN)/pip install -q torch==2.13.0 || echo "torch==2.13.0 not installed: torch tests will be skipped"
+	$(BIN)/pip install -q mpi4py || echo "mpi4py not installed: the Open MPI bench test will be skipped"
 	touch $@
 
 clean:

@@ -25,8 +25,8 @@ from tests.cluster import free_port
 def master_port() -> int:
     """A MASTER_PORT whose next port (ringcore's store under torchrun) is free too, below the ephemeral range.
 
-    A port from ``free_port()`` is an ephemeral one, and its neighbour may be the local
-    port of any connection on the host for as long as that lives.
+    A port in the ephemeral range may be the local port of any connection on the host
+    for as long as that lives (``free_port()`` now avoids that range too).
     """
     rng = random.Random()
     for _ in range(1000):
