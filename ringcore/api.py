@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from ringcore.rendezvous import WorldSpec, discover, listen_address
 _default: Communicator | None = None
 _lock = threading.Lock()
 _atexit_registered = False
+_joiner: Callable[[], Communicator] | None = None  # ringcore.elastic's, under an elastic ringcore-run
 
 
 def init(
@@ -45,10 +47,13 @@ def init(
             raise RingcoreError(
                 "ringcore is already initialized; call ringcore.shutdown() before init() again"
             )
-        settings = Settings.from_env()
-        world = discover(settings, rank=rank, size=size, addr=addr, port=port)
-        _configure_logging(settings, world.rank)
-        _default = bootstrap(world, settings)
+        if _joiner is not None and (rank, size, addr, port) == (None, None, None, None):
+            _default = _joiner()
+        else:
+            settings = Settings.from_env()
+            world = discover(settings, rank=rank, size=size, addr=addr, port=port)
+            _configure_logging(settings, world.rank)
+            _default = bootstrap(world, settings)
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
@@ -81,6 +86,16 @@ def new_communicator(
     world = WorldSpec(rank, size, None, None, host, 0, "a shared store")
     _configure_logging(settings, rank)
     return bootstrap(world, settings, meeting)
+
+
+def set_joiner(joiner: Callable[[], Communicator] | None) -> None:
+    """Have ``init()`` without arguments take its communicator from ``joiner()`` instead of discovery.
+
+    ``ringcore.elastic`` sets one under an elastic ``ringcore-run``: each
+    ``init()`` then joins the job's next generation. ``None`` removes it.
+    """
+    global _joiner
+    _joiner = joiner
 
 
 def shutdown() -> None:

@@ -66,45 +66,72 @@ session's stdin: the agent sends the rank's process group SIGTERM, SIGKILL
 after ``--grace``, and reports, which the launcher awaits up to
 ``REMOTE_SLACK`` s more. Messages name the host: ``rank 5 on hostB was
 killed by signal SIGKILL (9)``.
+
+Elastic mode (``--min-np``, ``--max-np``, ``--host-discovery-script``;
+:mod:`ringcore.elastic_driver`): the launcher serves the job's store at
+``RINGCORE_ADDR:RINGCORE_PORT`` and starts *workers* instead of ranks. Each
+gets ``RINGCORE_ELASTIC_WORKER`` (its number, which prefixes its output),
+the secret, ``RINGCORE_INIT_TIMEOUT`` (``--elastic-timeout`` unless set) and
+what ``-x`` names, but no rank: ``ringcore.elastic`` asks the launcher for
+one in every generation. Losing a worker, rank 0's included, is survived
+while at least ``--min-np`` remain.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import os
-import queue
 import re
 import secrets
 import shlex
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import BinaryIO, TextIO
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from ringcore import hosts, remote
+from ringcore import elastic_driver, hosts, remote
+from ringcore.config import Settings
+from ringcore.elastic_driver import ElasticOptions
+from ringcore.errors import RingcoreError
+from ringcore.processes import (
+    EXIT_NOT_EXECUTABLE,
+    EXIT_NOT_FOUND,
+    POLL_SECONDS,
+    PROG,
+    Job,
+    LaunchError,
+    SignalCatcher,
+    Sink,
+    describe_exit,
+    stopped_suffix,
+)
 from ringcore.rank_agent import rank_cores
-from ringcore.remote import RemoteError, RemoteRank, SshOptions
+from ringcore.remote import RemoteError, SshOptions
 
-PROG = "ringcore-run"
+__all__ = [
+    "EXIT_NOT_EXECUTABLE",
+    "EXIT_NOT_FOUND",
+    "Job",
+    "LaunchError",
+    "Options",
+    "SignalCatcher",
+    "Sink",
+    "describe_exit",
+    "main",
+    "parse_args",
+    "rank_cores",
+    "rank_env",
+    "start_ranks",
+]
+
 EXIT_TIMEOUT = 124
-EXIT_NOT_EXECUTABLE = 126
-EXIT_NOT_FOUND = 127
 EXIT_SSH = 255  # as ssh itself: a host that cannot be reached or asked
-POLL_SECONDS = 0.05
-# Seconds past --grace that a remote rank's agent has to stop it and report.
-REMOTE_SLACK = 3.0
 TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Bound on waiting for output after all ranks are gone: a grandchild that left
-# the rank's process group may still hold a pipe open.
-DRAIN_SECONDS = 5.0
 
 _NP_HELP = "number of ranks to start (required without -H/--hostfile; with them, all their slots)"
 _EPILOG = """\
@@ -114,6 +141,8 @@ examples:
   ringcore-run --np 8 --no-prefix python bench.py > bench.log
   ringcore-run -np 8 -H hostA:4,hostB:4 -x LD_LIBRARY_PATH -x OMP_NUM_THREADS=4 python train.py
   ringcore-run --hostfile hosts.txt --network-interface eth0 --ssh-port 2222 python train.py
+  ringcore-run -np 4 --min-np 2 --max-np 4 python train.py            # elastic (ringcore.elastic)
+  ringcore-run --min-np 2 --max-np 8 --host-discovery-script ./discover.sh python train.py
 
 across hosts: ranks fill the hosts' slots in order (hostfile lines: 'hostA slots=4').
 Ranks on other hosts start over ssh in batch mode (keys, no passwords), run in
@@ -127,6 +156,9 @@ exit status: 0 when every rank exits 0; otherwise the first failing rank's
 exit code (128+N when it was killed by signal N), 124 on --timeout, 127 when
 the command is not found, 130/143 when the launcher gets SIGINT/SIGTERM,
 ssh's code (255) when a remote rank's ssh fails or no rendezvous address is found.
+Elastic: 0 when every rank of the last generation exits 0; otherwise the first
+failing worker's code once fewer than --min-np are left (after --elastic-timeout
+when a discovery script may add more).
 """
 
 
@@ -149,6 +181,7 @@ class Options:
         exports: ``-x`` variables as ``(name, value)``.
         ifname: ``--network-interface``: handed to the ranks as ``RINGCORE_IFNAME``.
         ssh: How to reach the other hosts.
+        elastic: ``--min-np``/``--max-np``/``--host-discovery-script``; ``None``: a fixed job.
     """
 
     size: int
@@ -167,6 +200,7 @@ class Options:
     exports: tuple[tuple[str, str], ...] = ()
     ifname: str | None = None
     ssh: SshOptions = dataclasses.field(default_factory=SshOptions)
+    elastic: ElasticOptions | None = None
 
     def __post_init__(self) -> None:
         if self.master_port == 0:
@@ -241,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         "scheduler place the ranks",
     )
     _add_host_options(parser)
+    _add_elastic_options(parser)
     add("command", nargs=argparse.REMAINDER, help="the program to run and its arguments (after -- if needed)")
     return parser
 
@@ -274,6 +309,69 @@ def _add_host_options(parser: argparse.ArgumentParser) -> None:
     add("--ssh-args", default="", metavar="ARGS", help="more ssh arguments, e.g. '-F ~/.ssh/cluster.conf'")
 
 
+def _add_elastic_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "elastic training (ringcore.elastic)",
+        "any of --min-np, --max-np, --host-discovery-script makes the job elastic: a lost\n"
+        "worker (rank 0 too) is survived while --min-np remain, and new workers join at the\n"
+        "next commit; workers, not ranks, are numbered in the output",
+    )
+    add = group.add_argument
+    add("--min-np", type=_positive_int, metavar="N", help="fewest workers to go on with (default: -np)")
+    add(
+        "--max-np",
+        type=_positive_int,
+        metavar="N",
+        help="most workers at once (default: -np; with a discovery script, all its slots)",
+    )
+    add(
+        "--host-discovery-script",
+        metavar="CMD",
+        help="shell command printing 'host:slots' lines, run every second; new slots get workers",
+    )
+    add(
+        "--elastic-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help="bound on each rendezvous and on running below --min-np (default 60)",
+    )
+    add(
+        "--failure-cooldown",
+        type=_seconds,
+        metavar="SECONDS",
+        help="a host where a worker failed gets no new one for this long, doubled per failure (default 10)",
+    )
+
+
+def _elastic_options(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, size: int
+) -> ElasticOptions | None:
+    """The elastic options, checked against ``size`` (0: from the discovery script); ``None``: a fixed job."""
+    if args.min_np is None and args.max_np is None and args.host_discovery_script is None:
+        for flag, value in (
+            ("--elastic-timeout", args.elastic_timeout),
+            ("--failure-cooldown", args.failure_cooldown),
+        ):
+            if value is not None:
+                parser.error(f"{flag} needs elastic mode: --min-np, --max-np or --host-discovery-script")
+        return None
+    min_np = args.min_np if args.min_np is not None else max(size, 1)
+    max_np = args.max_np if args.max_np is not None else (None if args.host_discovery_script else size)
+    if size and min_np > size:
+        parser.error(f"--min-np {min_np} is more than -np {size}")
+    if max_np is not None and (size > max_np or min_np > max_np):
+        parser.error(
+            f"--max-np {max_np} is less than {'-np' if size > max_np else '--min-np'} {max(size, min_np)}"
+        )
+    return ElasticOptions(
+        min_np,
+        max_np,
+        args.host_discovery_script,
+        60.0 if args.elastic_timeout is None else args.elastic_timeout,
+        10.0 if args.failure_cooldown is None else args.failure_cooldown,
+    )
+
+
 def parse_args(argv: Sequence[str] | None = None) -> Options:
     """Parse the command line; exit 2 with a usage message when it is wrong.
 
@@ -292,10 +390,16 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         command = command[1:]
     if not command:
         parser.error("no command given; e.g. ringcore-run -np 2 python train.py")
+    if args.host_discovery_script is not None and (args.hosts or args.hostfile):
+        parser.error("--host-discovery-script names the hosts: leave out -H/--hostfile")
     try:
-        size, slots = hosts.placement(args.size, args.hosts, args.hostfile)
+        if args.host_discovery_script is not None:
+            size, slots = args.size or 0, ()
+        else:
+            size, slots = hosts.placement(args.size, args.hosts, args.hostfile)
     except hosts.HostError as err:
         parser.error(str(err))
+    elastic = _elastic_options(parser, args, size)
     if args.network_interface is not None and not re.fullmatch(r"[^\s,/]+", args.network_interface):
         parser.error(f"--network-interface {args.network_interface!r}: give one interface name, e.g. eth0")
     port = args.port if args.port is not None else find_free_port()
@@ -312,6 +416,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         exports=_exports(parser, args.exports),
         ifname=args.network_interface,
         ssh=SshOptions(args.ssh_port, args.ssh_identity_file, tuple(shlex.split(args.ssh_args))),
+        elastic=elastic,
     )
 
 
@@ -376,9 +481,47 @@ def rank_env(base: Mapping[str, str], options: Options, rank: int) -> dict[str, 
 
 def remote_env(options: Options, rank: int) -> dict[str, str]:
     """What a remote ``rank`` adds to its login's environment: :func:`rank_env` less the launcher's own."""
+    return _for_remote(options, rank_env(os.environ, options, rank))
+
+
+def _for_remote(options: Options, env: Mapping[str, str]) -> dict[str, str]:
     keep = {*TORCH_VARS, "PYTHONUNBUFFERED", *(name for name, _ in options.exports)}
-    env = rank_env(os.environ, options, rank)
     return {name: value for name, value in env.items() if name.startswith("RINGCORE_") or name in keep}
+
+
+def worker_env(base: Mapping[str, str], options: Options, worker: Mapping[str, str]) -> dict[str, str]:
+    """The environment of an elastic job's worker: ``base``, ``-x``, the launcher's store, the secret, ``worker``.
+
+    No rank, size or torch variables: the worker learns its rank from the launcher, generation by
+    generation (:mod:`ringcore.elastic_rendezvous`).
+    """
+    env = {name: value for name, value in base.items() if name not in _IDENTITY}
+    env.update(options.exports)
+    env.update(
+        RINGCORE_SECRET=options.secret,
+        RINGCORE_ADDR=options.addr,
+        RINGCORE_PORT=str(options.port),
+        PYTHONUNBUFFERED="1",
+    )
+    if options.elastic is not None:
+        env.setdefault("RINGCORE_INIT_TIMEOUT", f"{options.elastic.timeout:g}")
+    if options.ifname:
+        env["RINGCORE_IFNAME"] = options.ifname
+    env.update(worker)
+    return env
+
+
+_IDENTITY = ("RINGCORE_RANK", "RINGCORE_SIZE", "RINGCORE_LOCAL_RANK", "RINGCORE_LOCAL_SIZE")
+
+
+def start_worker(job: Job, options: Options, seat: hosts.Slot, worker: dict[str, str]) -> int:
+    """Start one worker of an elastic job on ``seat`` (its slot on its host); return its number."""
+    env = worker_env(os.environ, options, worker)
+    if seat.local:
+        cpus = rank_cores(seat.local_size)[seat.local_rank] if options.bind else None
+        named = bool(options.slots) or (options.elastic is not None and options.elastic.discovery is not None)
+        return job.start_local(options.command, env, cpus, seat.host if named else None)
+    return job.start_remote(seat.host, options.ssh, remote_job(options, seat, _for_remote(options, env)))
 
 
 def find_rendezvous(options: Options) -> Options:
@@ -398,346 +541,52 @@ def find_rendezvous(options: Options) -> Options:
     return dataclasses.replace(options, addr=addr)
 
 
-# --------------------------------------------------------------------------- output
-
-
-class Sink:
-    """Writes whole lines to the launcher's stdout/stderr, one line at a time.
-
-    A single lock guards both streams so that a line is never interleaved
-    with another, and every line is flushed as soon as it is written.
-    """
-
-    def __init__(self, stdout: TextIO, stderr: TextIO, prefix: bool) -> None:
-        self._streams = {"stdout": stdout, "stderr": stderr}
-        self._prefix = prefix
-        self._lock = threading.Lock()
-        self._broken: set[str] = set()
-
-    def rank_line(self, rank: int, stream: str, line: bytes) -> None:
-        """Write one line that ``rank`` printed on ``stream`` (``"stdout"``/``"stderr"``)."""
-        if self._prefix:
-            text = line.decode("utf-8", errors="replace").removesuffix("\n")
-            line = f"[{rank}]<{stream}>: {text}\n".encode()
-        self._write(stream, line)
-
-    def message(self, text: str) -> None:
-        """Write one ``ringcore-run: ...`` line to stderr."""
-        self._write("stderr", f"{PROG}: {text}\n".encode())
-
-    def _write(self, stream: str, data: bytes) -> None:
-        target = self._streams[stream]
-        with self._lock:
-            if stream in self._broken:
-                return
-            try:
-                _write_bytes(target, data)
-            except (OSError, ValueError):
-                # The reader went away; keep draining the ranks so they never block.
-                self._broken.add(stream)
-
-
-def _write_bytes(target: TextIO, data: bytes) -> None:
-    binary: BinaryIO | None = getattr(target, "buffer", None)
-    if binary is None:
-        target.write(data.decode("utf-8", errors="replace"))
-        target.flush()
-        return
-    target.flush()
-    binary.write(data)
-    binary.flush()
-
-
-def _pump(pipe: BinaryIO, sink: Sink, rank: int, stream: str) -> None:
-    with pipe:
-        for line in iter(pipe.readline, b""):
-            sink.rank_line(rank, stream, line)
-
-
 # --------------------------------------------------------------------------- ranks
 
 
-class LaunchError(Exception):
-    """The command could not be started; ``code`` is the launcher's exit code."""
+def start_ranks(job: Job, options: Options, should_stop: Callable[[], bool] = lambda: False) -> None:
+    """Start every rank; on failure stop those already started and raise.
 
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
+    Args:
+        job: Where the ranks go; rank ``r`` is the job's process ``r``.
+        options: The job.
+        should_stop: Polled while remote starts wait for room (:data:`ringcore.remote.MAX_STARTUPS`
+            per host); true (the launcher got a signal): start no more ranks.
 
-
-class Job:
-    """The running ranks: their processes (a local rank's own, a remote rank's ssh), output pumps and exit events."""
-
-    def __init__(self, sink: Sink) -> None:
-        self.sink = sink
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.exits: dict[int, int] = {}
-        self.remote: dict[int, RemoteRank] = {}
-        self.hosts: dict[int, str] = {}  # rank -> host, when -H/--hostfile named them
-        self._marker = f"\0ringcore-rank-{secrets.token_hex(4)}:"  # the agents' reports (ringcore.rank_agent)
-        self._events: queue.Queue[tuple[int, int]] = queue.Queue()
-        self._threads: list[threading.Thread] = []
-
-    def start(self, options: Options, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """Start every rank; on failure stop those already started and raise.
-
-        Args:
-            options: The job.
-            should_stop: Polled while remote starts wait for room (:data:`ringcore.remote.MAX_STARTUPS`
-                per host); true (the launcher got a signal): start no more ranks.
-
-        Raises:
-            LaunchError: The command (or ssh) was not found or is not executable.
-        """
-        slots = [options.slot(rank) for rank in range(options.size)]
-        shares = {
-            slot.local_size: rank_cores(slot.local_size) for slot in slots if slot.local and options.bind
-        }
-        for slot in slots:
-            if options.slots:
-                self.hosts[slot.rank] = slot.host
-            try:
-                if slot.local:
-                    with _bound_to(shares[slot.local_size][slot.local_rank] if options.bind else None):
-                        proc = _spawn(options, slot.rank)
-                    self.procs.append(proc)
-                    self._watch(slot.rank, proc)
-                elif self._startup_room(slot.host, should_stop):
-                    self._start_remote(options, slot)
-                else:
-                    return
-            except LaunchError:
-                self.stop(options.grace)
-                raise
-
-    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
-        self._thread(_pump, proc.stdout, self.sink, rank, "stdout")
-        self._thread(_pump, proc.stderr, self.sink, rank, "stderr")
-        self._thread(self._wait, rank, proc)
-
-    def _start_remote(self, options: Options, slot: hosts.Slot) -> None:
-        job = {
-            "marker": self._marker,
-            "env": remote_env(options, slot.rank),
-            "argv": options.command,
-            "cwd": os.getcwd(),
-            "grace": options.grace,
-            "bind": [slot.local_rank, slot.local_size] if options.bind else None,
-        }
-        try:
-            rank = RemoteRank.start(slot.rank, slot.host, options.ssh, job)
-        except RemoteError as err:
-            raise LaunchError(str(err), EXIT_NOT_FOUND) from None
-        self.procs.append(rank.proc)
-        self.remote[slot.rank] = rank
-        self._thread(_pump, rank.proc.stdout, self.sink, slot.rank, "stdout")
-        stderr = self._thread(rank.pump_stderr, functools.partial(self.sink.rank_line, slot.rank, "stderr"))
-        self._thread(self._wait_remote, rank, stderr)
-
-    def _startup_room(self, host: str, should_stop: Callable[[], bool]) -> bool:
-        """Wait until fewer than MAX_STARTUPS sessions to ``host`` are starting; false if told to stop."""
-        while (
-            sum(r.host == host and not r.started.is_set() for r in self.remote.values())
-            >= remote.MAX_STARTUPS
-        ):
-            if should_stop():
-                return False
-            time.sleep(POLL_SECONDS)
-        return True
-
-    def _thread(self, target: Callable[..., None], *args: object) -> threading.Thread:
-        thread = threading.Thread(target=target, args=args, daemon=True)
-        thread.start()
-        self._threads.append(thread)
-        return thread
-
-    def _wait(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
-        # One waiter per rank: events reach the queue in the order ranks exited.
-        self._events.put((rank, proc.wait()))
-
-    def _wait_remote(self, rank: RemoteRank, stderr: threading.Thread) -> None:
-        ssh_code = rank.proc.wait()
-        stderr.join(DRAIN_SECONDS)  # the agent's report is the last line on ssh's stderr
-        rank.started.set()
-        self._events.put((rank.rank, rank.returncode(ssh_code)))
-
-    def describe(self, rank: int, returncode: int) -> tuple[str, int]:
-        """How ``rank`` ended, naming its host when hosts were given, and the launcher's exit code for it."""
-        where = f"rank {rank} on {self.hosts[rank]}" if rank in self.hosts else f"rank {rank}"
-        how, code = describe_exit(returncode)
-        if rank in self.remote and self.remote[rank].code is None:
-            return f"{where}: ssh {how} before the rank reported how it ended (see its stderr)", code
-        return f"{where} {how}", code
-
-    def collect(self, timeout: float) -> list[tuple[int, int]]:
-        """Wait up to ``timeout`` s for exits; return new ``(rank, returncode)`` in exit order."""
-        found: list[tuple[int, int]] = []
-        try:
-            found.append(self._events.get(timeout=timeout))
-            while True:
-                found.append(self._events.get_nowait())
-        except queue.Empty:
-            pass
-        self.exits.update(found)
-        return found
-
-    def running(self) -> list[int]:
-        """Return the ranks whose process has not been seen to exit."""
-        return [rank for rank in range(len(self.procs)) if rank not in self.exits]
-
-    def done(self) -> bool:
-        """Return whether every started rank has exited."""
-        return not self.running()
-
-    def stop(self, grace: float) -> list[int]:
-        """Stop every rank still running (see :meth:`terminate`); return those ranks."""
-        self.collect(0)
-        running = self.running()
-        self.terminate(grace)
-        return running
-
-    def terminate(self, grace: float) -> None:
-        """SIGTERM every rank group with a live process in it, SIGKILL after ``grace`` s.
-
-        Groups of ranks that already exited are included, so that processes a
-        rank left behind do not outlive the job.
-        """
-        targets = [rank for rank in range(len(self.procs)) if self._alive(rank)]
-        self._signal(targets, signal.SIGTERM)
-        self._await(targets, grace)
-        self._signal(
-            [rank for rank in targets if self._alive(rank) and rank not in self.remote], signal.SIGKILL
-        )
-        # A remote rank's agent kills it after its own grace and reports; ssh goes only if it never does.
-        self._await([rank for rank in targets if rank in self.remote], REMOTE_SLACK)
-        self._signal([rank for rank in targets if self._alive(rank)], signal.SIGKILL)
-        while not self.done():
-            self.collect(POLL_SECONDS)
-
-    def _await(self, ranks: list[int], seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and any(map(self._alive, ranks)):
-            self.collect(POLL_SECONDS)
-
-    def _signal(self, ranks: list[int], signum: int) -> None:
-        for rank in ranks:
-            if rank in self.remote:
-                # SIGTERM: close the session's stdin, the agent stops the rank; SIGKILL: kill ssh.
-                (self.remote[rank].stop if signum == signal.SIGTERM else self.remote[rank].kill)()
-                continue
-            with contextlib.suppress(ProcessLookupError, PermissionError):  # group already gone
-                os.killpg(self.procs[rank].pid, signum)
-
-    def _alive(self, rank: int) -> bool:
-        if rank in self.remote:
-            return rank not in self.exits  # ssh ends after the agent has stopped the rank's whole group
-        # Once the leader is reaped its PID stays reserved while its group has members.
-        return rank not in self.exits or _group_alive(self.procs[rank].pid)
-
-    def join(self, timeout: float = DRAIN_SECONDS) -> None:
-        """Wait (bounded) for the output pumps to drain what the ranks left."""
-        deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-
-@contextlib.contextmanager
-def _bound_to(cpus: set[int] | None) -> Iterator[None]:
-    """Run the block on ``cpus``: a child started meanwhile inherits that affinity.
-
-    ``sched_setaffinity(0, ...)`` sets the calling thread's mask only, so the
-    launcher's output threads keep theirs; the old mask is restored after.
+    Raises:
+        LaunchError: The command (or ssh) was not found or is not executable.
     """
-    if cpus is None:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
+    slots = [options.slot(rank) for rank in range(options.size)]
+    shares = {slot.local_size: rank_cores(slot.local_size) for slot in slots if slot.local and options.bind}
+    for slot in slots:
+        try:
+            if slot.local:
+                cpus = shares[slot.local_size][slot.local_rank] if options.bind else None
+                env = rank_env(os.environ, options, slot.rank)
+                job.start_local(options.command, env, cpus, slot.host if options.slots else None)
+            elif job.startup_room(slot.host, should_stop):
+                job.start_remote(
+                    slot.host, options.ssh, remote_job(options, slot, remote_env(options, slot.rank))
+                )
+            else:
+                return
+        except LaunchError:
+            job.stop(options.grace)
+            raise
 
 
-def _spawn(options: Options, rank: int) -> subprocess.Popen[bytes]:
-    try:
-        return subprocess.Popen(
-            options.command,
-            env=rank_env(os.environ, options, rank),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-    except FileNotFoundError:
-        raise LaunchError(f"command not found: {options.command[0]}", EXIT_NOT_FOUND) from None
-    except PermissionError:
-        raise LaunchError(f"permission denied: {options.command[0]}", EXIT_NOT_EXECUTABLE) from None
-    except OSError as exc:
-        raise LaunchError(f"cannot start {options.command[0]}: {exc}", EXIT_NOT_EXECUTABLE) from None
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def remote_job(options: Options, slot: hosts.Slot, env: dict[str, str]) -> dict[str, Any]:
+    """What a remote process's agent is told (:mod:`ringcore.rank_agent`), less the job's marker."""
+    return {
+        "env": env,
+        "argv": options.command,
+        "cwd": os.getcwd(),
+        "grace": options.grace,
+        "bind": [slot.local_rank, slot.local_size] if options.bind else None,
+    }
 
 
 # --------------------------------------------------------------------------- supervision
-
-
-class SignalCatcher:
-    """Records SIGINT/SIGTERM sent to the launcher so the main loop can react."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.signum is None:
-            self.signum = signum
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[SignalCatcher]:
-        """Install the handlers (main thread only) and restore the old ones on exit."""
-        if threading.current_thread() is not threading.main_thread():
-            yield self
-            return
-        old = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield self
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-
-
-def describe_exit(returncode: int) -> tuple[str, int]:
-    """Return how a process ended, in words, and the matching shell exit code.
-
-    Args:
-        returncode: ``Popen.returncode``; negative means killed by that signal.
-
-    Returns:
-        For example ``("exited with code 3", 3)`` or
-        ``("was killed by signal SIGKILL (9)", 137)``.
-    """
-    if returncode >= 0:
-        return f"exited with code {returncode}", returncode
-    signum = -returncode
-    try:
-        name = signal.Signals(signum).name
-    except ValueError:
-        name = f"signal {signum}"
-    return f"was killed by signal {name} ({signum})", 128 + signum
-
-
-def _stopped_suffix(ranks: list[int]) -> str:
-    if not ranks:
-        return ""
-    return "; stopped ranks " + ", ".join(str(rank) for rank in ranks)
 
 
 def supervise(job: Job, options: Options, catcher: SignalCatcher) -> int:
@@ -763,7 +612,7 @@ def supervise(job: Job, options: Options, catcher: SignalCatcher) -> int:
 
 def _stop(job: Job, options: Options, reason: str, code: int) -> int:
     stopped = job.stop(options.grace)
-    job.sink.message(reason + _stopped_suffix(stopped))
+    job.sink.message(reason + stopped_suffix(stopped))
     return code
 
 
@@ -778,19 +627,55 @@ def main(argv: list[str] | None = None) -> int:
     """
     options = parse_args(argv)
     sink = Sink(sys.stdout, sys.stderr, options.prefix)
-    job = Job(sink)
+    job = Job(sink, "rank" if options.elastic is None else "worker")
     with SignalCatcher().installed() as catcher:
         try:
             options = find_rendezvous(options)
-            job.start(options, lambda: catcher.signum is not None)
+            if options.elastic is not None:
+                code = supervise_elastic(job, options, options.elastic, catcher)
+            else:
+                start_ranks(job, options, lambda: catcher.signum is not None)
+                code = supervise(job, options, catcher)
         except LaunchError as exc:
+            job.stop(options.grace)
             job.join()
             sink.message(str(exc))
             return exc.code
-        code = supervise(job, options, catcher)
         job.terminate(options.grace)
     job.join()
     return code
+
+
+def supervise_elastic(job: Job, options: Options, elastic: ElasticOptions, catcher: SignalCatcher) -> int:
+    """Run an elastic job (:class:`ringcore.elastic_driver.Driver`) with its store on ``--addr``.
+
+    Raises:
+        LaunchError: The store cannot be served there.
+    """
+    try:
+        settings = Settings.from_env()
+        store, client = elastic_driver.serve_store(
+            options.addr, options.port, options.secret.encode(), settings
+        )
+    except (OSError, RingcoreError) as err:
+        raise LaunchError(
+            f"cannot serve the elastic job's store on {options.addr}:{options.port} ({err}); the launcher "
+            "serves it, so give --addr an address of this machine",
+            1,
+        ) from None
+    fixed = [hosts.Host(slot.host, slot.local_size) for slot in options.slots if slot.local_rank == 0]
+    driver = elastic_driver.Driver(
+        job,
+        elastic,
+        options.size,
+        fixed or [hosts.Host("localhost", options.size)],
+        functools.partial(start_worker, job, options),
+        store,
+        client,
+        options.grace,
+        options.timeout,
+    )
+    return driver.run(catcher)
 
 
 if __name__ == "__main__":

@@ -83,9 +83,8 @@ class _DistributedOptimizer:
         named = _named_parameters(self, named_parameters)  # type: ignore[arg-type]
         threshold = comm.settings.fusion_threshold
         layout = [(name, tuple(p.shape), str(p.dtype)) for name, p in named]
-        check_same_layout(
-            comm, [*layout, ("RINGCORE_FUSION_THRESHOLD", (threshold,), "")], "DistributedOptimizer"
-        )
+        self._layout = [*layout, ("RINGCORE_FUSION_THRESHOLD", (threshold,), "")]
+        check_same_layout(comm, self._layout, "DistributedOptimizer")
         self._comm: Communicator = comm
         self._compression = wire_compression(compression)
         self._passes_per_step = backward_passes_per_step
@@ -103,6 +102,22 @@ class _DistributedOptimizer:
         self._synchronized = False
         self._ident = joining.register_stepper(comm, self)
         self._hooks = [p.register_post_accumulate_grad_hook(_hook(self)) for _, p in named]
+
+    def rebind(self) -> None:
+        """Follow a new default communicator (``ringcore.torch.elastic``: each new world of an elastic job).
+
+        Checks the layout on it as making the optimizer does, so ranks that rebind and a rank
+        that has just made its optimizer issue the same collective, and forgets what was in
+        flight on the old one.
+        """
+        comm = communicator()
+        check_same_layout(comm, self._layout, "DistributedOptimizer")
+        self._comm = comm
+        self._postscale = self._predivide / comm.size if self._predivide != 1.0 else 1.0
+        self._ident = joining.register_stepper(comm, self)
+        self._flights, self._filled = [], [set() for _ in self._buckets]
+        self._passes = dict.fromkeys(self._passes, 0)
+        self._synchronized = False
 
     # ------------------------------------------------------------ while backward runs
 
