@@ -75,6 +75,7 @@ class Settings:
     ib_gid_index: int | None = None
     fusion_threshold: int = 8 * MIB  # ringcore.torch: bytes of small gradients packed into one allreduce
     plan_cache_bytes: int = 32 * MIB  # scratch remembered small allreduce layouts may keep, in all
+    elastic_worker: int | None = None  # set by an elastic ringcore-run: this worker's number
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -118,6 +119,7 @@ class Settings:
             ib_gid_index=reader.int("RINGCORE_IB_GID_INDEX", None, minimum=0, maximum=4095),
             fusion_threshold=reader.size("RINGCORE_FUSION_THRESHOLD", cls.fusion_threshold, minimum=0),
             plan_cache_bytes=reader.size("RINGCORE_PLAN_CACHE_BYTES", cls.plan_cache_bytes, minimum=0),
+            elastic_worker=reader.int("RINGCORE_ELASTIC_WORKER", None, minimum=0),
         )
 
     def spin_seconds(self) -> float:

@@ -14,7 +14,6 @@ is not taken for a straggler.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Any
 
@@ -150,22 +149,14 @@ class GenerationMeeting:
 def from_env() -> Rendezvous | None:
     """This process's :class:`Rendezvous` under an elastic ``ringcore-run``; ``None`` otherwise.
 
-    ``RINGCORE_ELASTIC_WORKER`` is read here rather than in :mod:`ringcore.config`:
-    only this module and the launcher know it.
-
     Raises:
         ConfigError: ``RINGCORE_ELASTIC_WORKER`` is not a number, or the store's address is missing.
     """
-    text = os.environ.get(WORKER_VARIABLE, "").strip()
-    if not text:
-        return None
-    try:
-        worker = int(text)
-    except ValueError:
-        raise ConfigError(f"{WORKER_VARIABLE}={text!r} is not a worker number") from None
     settings = Settings.from_env()
+    if settings.elastic_worker is None:
+        return None
     if not settings.addr or not settings.port:
         raise ConfigError(
             f"{WORKER_VARIABLE} is set but RINGCORE_ADDR/RINGCORE_PORT (ringcore-run's store) are not"
         )
-    return Rendezvous(worker, settings)
+    return Rendezvous(settings.elastic_worker, settings)

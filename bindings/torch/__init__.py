@@ -23,13 +23,14 @@ Which file does what: ``basics`` (init, rank..., ops, compression),
 ``tensors`` (tensors in and out of ringcore), ``collectives`` (allreduce,
 allgather, broadcast, reducescatter, barrier, join, objects), ``joining`` (how a
 rank out of data serves the others), ``fusion`` (gradient buckets),
-``optimizer`` (DistributedOptimizer), ``parameters`` (broadcast_parameters,
+``optimizer`` (DistributedOptimizer), ``elastic`` (TorchState for
+``ringcore-run --min-np``), ``parameters`` (broadcast_parameters,
 broadcast_optimizer_state), ``objects`` (pickled objects, model layout
 checks), ``sync_batch_norm``, ``process_group`` (the torch.distributed
 backend), ``ddp_hooks`` (DDP communication hooks with ringcore's compression).
 """
 
-from ringcore.torch import ddp_hooks
+from ringcore.torch import ddp_hooks, elastic
 from ringcore.torch import process_group as _process_group
 from ringcore.torch.basics import (
     Adasum,
@@ -114,6 +115,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddp_hooks",
+    "elastic",
     "gloo_built",
     "gloo_enabled",
     "init",
