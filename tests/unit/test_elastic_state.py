@@ -79,7 +79,7 @@ def test_no_rendezvous_without_the_launcher(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.delenv(WORKER_VARIABLE, raising=False)
     assert elastic_rendezvous.from_env() is None
     monkeypatch.setenv(WORKER_VARIABLE, "two")
-    with pytest.raises(ConfigError, match="RINGCORE_ELASTIC_WORKER=.two. is not an integer"):
+    with pytest.raises(ConfigError, match=r"RINGCORE_ELASTIC_WORKER=.two. is not an integer"):
         elastic_rendezvous.from_env()
     monkeypatch.setenv(WORKER_VARIABLE, "2")
     monkeypatch.delenv("RINGCORE_PORT", raising=False)
