@@ -40,6 +40,12 @@ Without a discovery script a lost worker is not replaced. A host where a worker 
 worker for ``--failure-cooldown`` s, doubled for each further failure
 there, so a crashing host cannot make the world restart in a loop.
 
+The driver starts, watches and stops workers through a :class:`Pool`:
+``ringcore-run``'s is its :class:`~ringcore.processes.Job` (processes,
+signals, exit codes); ``ringcore.ray``'s elastic executor passes Ray actors
+and a ``room`` callable (how many more workers Ray can place now), which,
+like a discovery script, makes the driver replace lost workers.
+
 The job succeeds (exit 0) when every member of the last generation exits
 0; a worker that exits 0 ends the job's growth (workers still waiting to
 join are stopped). Otherwise the driver exits with the first failing
@@ -52,12 +58,13 @@ import dataclasses
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from ringcore import discovery, hosts
 from ringcore.config import Settings
 from ringcore.elastic_protocol import BROKEN, ENDED, WORKER_VARIABLE, answer_key, ready_key
-from ringcore.processes import POLL_SECONDS, Job, LaunchError, SignalCatcher, Sink, stopped_suffix
+from ringcore.processes import POLL_SECONDS, LaunchError, SignalCatcher, stopped_suffix
 from ringcore.store import StoreClient, StoreServer, tls_contexts
 
 EXIT_TIMEOUT = 124
@@ -120,6 +127,57 @@ class Failure:
 # A worker's environment beyond the job's (RINGCORE_ELASTIC_WORKER...), and where it runs -> its number.
 StartWorker = Callable[[hosts.Slot, dict[str, str]], int]
 
+# How messages name the bounds (ringcore-run's flags; ringcore.ray names its arguments), and what to
+# ask about a worker that never checked in.
+FLAGS = {
+    "min_np": "--min-np",
+    "elastic_timeout": "--elastic-timeout",
+    "timeout": "--timeout",
+    "no_check_in": "does the script use ringcore.elastic (imported before ringcore.init())?",
+}
+
+
+class Messages(Protocol):
+    """Where the driver's messages go (``ringcore-run``'s :class:`~ringcore.processes.Sink`)."""
+
+    def message(self, text: str) -> None: ...
+
+
+class Pool(Protocol):
+    """The workers' processes as the driver sees them; :class:`~ringcore.processes.Job` is one.
+
+    Workers are numbered in start order (the driver's :data:`StartWorker` adds them).
+    A worker *exits* once, with a return code: 0 when its function returned.
+    """
+
+    exits: dict[int, int]  # worker -> return code, once seen to exit
+
+    @property
+    def sink(self) -> Messages: ...
+
+    def collect(self, timeout: float) -> list[tuple[int, int]]:
+        """Wait up to ``timeout`` s for exits; the new ``(worker, returncode)`` pairs.
+
+        An exception raised here ends the job: it leaves :meth:`Driver.run`, which closes the store.
+        """
+        ...
+
+    def running(self) -> list[int]:
+        """Workers not yet seen to exit."""
+        ...
+
+    def send(self, workers: Sequence[int], signum: int) -> None:
+        """Stop ``workers``: SIGTERM first, SIGKILL after the grace (a pool may stop at once)."""
+        ...
+
+    def stop(self, grace: float) -> list[int]:
+        """Stop every worker still running; return those workers."""
+        ...
+
+    def describe(self, worker: int, returncode: int) -> tuple[str, int]:
+        """How ``worker`` ended, in words, and the driver's exit code for it."""
+        ...
+
 
 def plan_seats(
     listing: Sequence[hosts.Host], taken: dict[str, set[int]], cooling: set[str], room: int
@@ -170,7 +228,7 @@ class Driver:
     """Runs an elastic job to its end; see the module docstring.
 
     Args:
-        job: Where the workers' processes go.
+        job: Where the workers' processes go (:class:`Pool`).
         options: The elastic options.
         size: Workers to start with; 0: as many as the first listing has slots (up to ``--max-np``).
         fixed: The hosts when there is no discovery script.
@@ -179,11 +237,14 @@ class Driver:
         client: A connection to it.
         grace: Seconds between SIGTERM and SIGKILL when stopping workers.
         timeout: ``--timeout``: the job's wall-clock limit in seconds; 0: none.
+        room: How many more workers can start now (a Ray cluster's free resources), within the hosts'
+            slots and ``max_np``; given, lost workers are replaced as with a discovery script.
+        flags: How messages name the bounds (:data:`FLAGS`' keys), when not ``ringcore-run``'s flags.
     """
 
     def __init__(
         self,
-        job: Job,
+        job: Pool,
         options: ElasticOptions,
         size: int,
         fixed: Sequence[hosts.Host],
@@ -192,6 +253,9 @@ class Driver:
         client: StoreClient,
         grace: float,
         timeout: float,
+        *,
+        room: Callable[[], int] | None = None,
+        flags: Mapping[str, str] | None = None,
     ) -> None:
         self.job, self.options, self.size, self.start = job, options, size, start
         self.store, self.client, self.grace, self.timeout = store, client, grace, timeout
@@ -209,10 +273,17 @@ class Driver:
         self.cooling: dict[str, tuple[float, int]] = {}  # host -> (until, failures there)
         self._local: dict[str, bool] = {}
         self._discoverer = _Discoverer(options.discovery) if options.discovery else None
+        self._room = room
+        self.flags = {**FLAGS, **(flags or {})}
 
     @property
-    def sink(self) -> Sink:
+    def sink(self) -> Messages:
         return self.job.sink
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether workers can be added during the job (a discovery script, or a pool with room)."""
+        return self._discoverer is not None or self._room is not None
 
     def run(self, catcher: SignalCatcher) -> int:
         """Start the workers and drive the job until it ends; return the launcher's exit code."""
@@ -239,7 +310,7 @@ class Driver:
         if catcher.signum is not None:
             return self._abort(f"received {signal.Signals(catcher.signum).name}", 128 + catcher.signum)
         if self.deadline is not None and now >= self.deadline:
-            return self._abort(f"job exceeded --timeout {self.timeout:g}s", EXIT_TIMEOUT)
+            return self._abort(f"job exceeded {self.flags['timeout']} {self.timeout:g}s", EXIT_TIMEOUT)
         if not self.job.running():
             code = self._finished()
             if code is not None:
@@ -312,14 +383,15 @@ class Driver:
             if not worker.joined and now - worker.started > bound:
                 self._stop(
                     number,
-                    f"worker {number} did not check in within {bound:g} s (--elastic-timeout) of its "
-                    "start; does the script use ringcore.elastic (imported before ringcore.init())?",
+                    f"worker {number} did not check in within {bound:g} s ({self.flags['elastic_timeout']}) of its "
+                    f"start; {self.flags['no_check_in']}",
                 )
             elif number in self.members and self.rendezvous_since and now - self.rendezvous_since > bound:
                 self._stop(
                     number,
                     f"worker {number} (rank {self.members.index(number)}) did not come back to the "
-                    f"rendezvous within {bound:g} s (--elastic-timeout) after generation {self.generation} ended",
+                    f"rendezvous within {bound:g} s ({self.flags['elastic_timeout']}) after generation "
+                    f"{self.generation} ended",
                 )
         stopping = [n for n in self.job.running() if (self.workers[n].kill_at or now) < now]
         self.job.send(stopping, signal.SIGKILL)
@@ -347,7 +419,7 @@ class Driver:
         if not needed or len(eligible) >= self.options.min_np:
             self.below_since = None
             return None
-        if self._discoverer is None or self.finishing:
+        if not self.dynamic or self.finishing:
             return self._below_min_np(len(eligible), None)
         self.below_since = self.below_since or now
         if now - self.below_since >= self.options.timeout:
@@ -355,9 +427,9 @@ class Driver:
         return None
 
     def _below_min_np(self, left: int, waited: float | None) -> int:
-        reason = f"{left} worker{'' if left == 1 else 's'} left, fewer than --min-np {self.options.min_np}"
+        reason = f"{left} worker{'' if left == 1 else 's'} left, fewer than {self.flags['min_np']} {self.options.min_np}"
         if waited is not None:
-            reason += f", for {waited:g} s (--elastic-timeout)"
+            reason += f", for {waited:g} s ({self.flags['elastic_timeout']})"
         first = self.failures[0] if self.failures else None
         if first is not None:
             reason += f"; the first failure: {first.how}"
@@ -372,7 +444,7 @@ class Driver:
         """Every process is gone: the exit code, or ``None`` to wait for the discovery script."""
         if self.members and all(self.job.exits.get(n) == 0 for n in self.members):
             return 0
-        if self._discoverer is not None and not self.finishing:
+        if self.dynamic and not self.finishing:
             return None
         first = self.failures[0] if self.failures else None
         if first is None:
@@ -395,7 +467,7 @@ class Driver:
             self._spawn(*seat)
 
     def _spawn(self, host: str, slot: int, host_slots: int) -> None:
-        number = len(self.job.procs)
+        number = len(self.workers)
         if host not in self._local:
             self._local[host] = hosts.is_local(hosts.address_name(host))
         if not self._local[host] and hosts.is_loopback(self.store.host):
@@ -426,7 +498,7 @@ class Driver:
         return excess({n: self.workers[n].seat for n in self._live()}, self.listing)
 
     def _grow(self, now: float) -> None:
-        if self._discoverer is None or self.finishing:
+        if not self.dynamic or self.finishing:
             return
         running = self.job.running()  # workers being stopped still hold their slots
         taken: dict[str, set[int]] = {}
@@ -434,7 +506,10 @@ class Driver:
             taken.setdefault(self.workers[number].seat.host, set()).add(self.workers[number].seat.local_rank)
         cooling = {host for host, (until, _) in self.cooling.items() if until > now}
         limit = self.options.max_np if self.options.max_np is not None else sum(h.slots for h in self.listing)
-        for seat in plan_seats(self.listing, taken, cooling, limit - len(running)):
+        free = limit - len(running)
+        if free > 0 and self._room is not None:
+            free = min(free, self._room())
+        for seat in plan_seats(self.listing, taken, cooling, free):
             self._spawn(*seat)
         live = self._live()
         newcomers = any(self.workers[n].waiting and not self.workers[n].joined for n in live)

@@ -124,7 +124,7 @@ def describe(outcome: Outcome, slots: Sequence[Slot], what: str, stopped: bool) 
 def _error(err: BaseException, slot: Slot, what: str, others: str, after: str, stopped: bool) -> WorkerError:
     if _is_lost(err):
         return WorkerLost(
-            f"{what}: {slot.where()} died: {_first_line(err)} ({type(err).__name__}).{others} {after}",
+            f"{what}: {slot.where()} died: {first_line(err)} ({type(err).__name__}).{others} {after}",
             slot,
             stopped,
         )
@@ -174,7 +174,8 @@ def _is_lost(err: BaseException) -> bool:
     return isinstance(err, RayError) and not isinstance(err, RayTaskError)
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """The first non-empty line of ``err``'s message (300 characters at most), for messages."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return (lines[0] if lines else type(err).__name__)[:300]
 

@@ -87,3 +87,22 @@ class RingcoreWorker:
         except BaseException:
             self.reset()
             raise
+
+
+class ElasticWorker(RingcoreWorker):
+    """One worker of an :class:`~ringcore.ray.ElasticRingcoreExecutor`: runs the user's function once.
+
+    Its process starts with ``RINGCORE_ELASTIC_WORKER`` and the driver's store in
+    its environment, so ``ringcore.init()`` joins the driver's generations. After
+    the function, returned or raised, the actor leaves the job as an exiting
+    process would (rank 0 waits there for its peers to leave its store).
+    """
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """``fn(*args, **kwargs)`` with ``ringcore.elastic`` imported first, then ``ringcore.shutdown()``."""
+        import ringcore.elastic  # noqa: F401  # init() joins generations even if fn imports it only later
+
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.reset()
