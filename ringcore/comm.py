@@ -1,17 +1,19 @@
-"""The Communicator: validate, remember layouts, order collectives, run their plans.
+"""The Communicator: validate, keep plans, order collectives, run their plans.
 
-Layers. The Communicator validates a collective's arguments, keys the array's
-layout (dtype, shape, strides, op, compression) in a cache bounded in count
-and in the scratch its layouts keep (``RINGCORE_PLAN_CACHE_BYTES``), and runs
-the collective's plan in its turn, handing it the :class:`~ringcore.context.Context`
-(transport, scratch, reducers, device resources; ``execute`` and ``fail``);
-plans never see the Communicator.
+Route. Every collective takes one route: the Communicator validates its
+arguments by making its plan (:mod:`ringcore.plans`), takes a ticket in
+program order, and in its turn calls ``plan.run(obj, seq)`` (``_run_turn``),
+in the caller's thread for a blocking call (no hand-off, lowest latency) or on
+one background thread for ``*_async`` calls (so ``allreduce_async`` overlaps
+with the caller's compute). An allreduce of a numpy array looks its layout
+(dtype, shape, strides, op, compression) up in the plan cache first
+(:mod:`ringcore.plans.cache`): a hit skips validation, and the kept plan runs
+the form its first turn prepared. Plans receive the
+:class:`~ringcore.context.Context` (transport, scratch, reducers, device
+resources; ``execute`` and ``fail``), never the Communicator.
 
-Ordering. Every collective gets a ticket when it is called, in program order;
-it runs only when all earlier tickets have finished. Blocking calls run in
-the caller's thread (no hand-off, lowest latency); ``*_async`` calls run on
-one background thread, so ``allreduce_async`` overlaps with the caller's
-compute. Ranks must issue collectives in the same order, as with MPI/NCCL.
+Ordering. A collective runs only when all earlier tickets have finished.
+Ranks must issue collectives in the same order, as with MPI/NCCL.
 
 Failure. A collective that fails (a peer died, timed out, or the ranks
 disagree) first tells every peer (an ABORT frame with the reason), so all
@@ -21,7 +23,7 @@ communicator broken: later calls raise :class:`CommunicatorClosed` until
 arguments, ranks that disagree) leaves the caller's buffer untouched. A peer
 that dies mid-allreduce can leave it partly reduced, as with Gloo and NCCL,
 unless ``RINGCORE_ATOMIC=1`` (one more copy of the buffer per allreduce); the
-error's note says which elements (see :mod:`ringcore.collectives`).
+error's note says which elements (see :mod:`ringcore.slicing`).
 """
 
 from __future__ import annotations
@@ -34,21 +36,21 @@ from typing import Any
 
 import numpy as np
 
-from ringcore import bound, collectives, latency
 from ringcore.algo.steps import Buf
-from ringcore.buffers import checked_buffer
 from ringcore.config import Settings
 from ringcore.context import Context
 from ringcore.errors import CollectiveTimeout, CommunicatorClosed
-from ringcore.kernels.numpy_ops import quietly
+from ringcore.kernels.numpy_ops import ignoring_fp_errors
+from ringcore.plans import allreduce, broadcast, gather
+from ringcore.plans.barrier import BarrierPlan
+from ringcore.plans.base import Plan
+from ringcore.plans.cache import PlanCache
 from ringcore.stall import Progress, StallInspector
 from ringcore.store import StoreClient, StoreServer
 from ringcore.timeline import Timeline, rank_path
 from ringcore.transport.base import Transport
 
 log = logging.getLogger("ringcore")
-
-_CHECKED_CACHE = 4096  # array layouts whose validation is remembered (Communicator._allreduce_plan)
 
 
 class Handle:
@@ -149,9 +151,7 @@ class Communicator:
         self._closed = False
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._worker: threading.Thread | None = None
-        self._checked: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # layouts that validated (_allreduce_plan)
-        self._held: dict[tuple[Any, ...], int] = {}  # scratch bytes a layout in _checked keeps for itself
-        self._held_bytes = 0
+        self._plans = PlanCache(settings.plan_cache_bytes)  # allreduce plans by numpy layout
         self.progress = Progress()
         self.timeline: Timeline | None = None
         if settings.timeline:
@@ -164,16 +164,12 @@ class Communicator:
         self.ctx = Context(
             rank, size, settings, transport, store, self.timeline, self.stall, cache_slices, wide_segments
         )
+        self._barrier = BarrierPlan(self.ctx)
 
     @property
     def allreduce_slice_bytes(self) -> int:
         """Wire bytes per allreduce slice (``Settings.allreduce_slice_bytes``); equal on every rank."""
         return self.ctx.allreduce_slice_bytes
-
-    @property
-    def bound_barrier(self) -> Any:
-        """The barrier's bound steps, once the first barrier made them."""
-        return self.ctx.bound_barrier
 
     @property
     def _scratch(self) -> dict[Buf, np.ndarray]:
@@ -199,96 +195,36 @@ class Communicator:
                 reduced (none with ``RINGCORE_ATOMIC=1``) and, above
                 ``RINGCORE_SLICE_BYTES``, which already hold the result.
         """
-        if type(buf) is np.ndarray:
-            checked = self._checked_layout(buf, op, compression)[1]
-            if (
-                checked is not None
-                and (layout := checked[3]) is not None  # latency.SmallAllreduce or bound.BoundAllreduce
-                and layout.bound
-                and buf.flags.writeable
-            ):
-                self._call_bound("allreduce", name, layout.run, buf)
-                return buf
-        return self._call(self._allreduce_plan(buf, op, compression), name)
+        return self._run(self._allreduce_plan(buf, op, compression), buf, name)
 
-    def _allreduce_plan(self, buf: Any, op: Any, compression: Any) -> collectives.Plan:
-        """``plan_allreduce``, with validation skipped for numpy arrays shaped like ones that passed it.
+    def _allreduce_plan(self, buf: Any, op: Any, compression: Any) -> Plan:
+        """The kept plan of a writable numpy array's layout (made on a miss), else one for this call.
 
-        Validating costs a 4 KiB allreduce a noticeable part of its time, and
-        training loops reduce arrays of the same few layouts every step. An
-        array whose dtype, shape and strides (hence contiguity) match one that
-        passed validation with the same op and compression, and which is still
-        writable, validates the same, so only its :class:`Buffer` is made.
-        Nothing of the caller's array is kept. A layout small enough for
-        recursive doubling also keeps its steps bound to scratch
-        (:mod:`ringcore.latency`); a larger one that runs in place keeps its
-        schedule (:mod:`ringcore.bound`).
+        A hit skips validation: an array whose dtype, shape and strides (hence
+        contiguity) match a layout that passed it with the same op and
+        compression, and which is still writable, validates the same. Nothing
+        of the caller's array is kept.
         """
-        if type(buf) is not np.ndarray:
-            return collectives.plan_allreduce(buf, op, compression, self.size)
-        key, checked = self._checked_layout(buf, op, compression)
-        if key is None:
-            return collectives.plan_allreduce(buf, op, compression, self.size)
-        if checked is not None and buf.flags.writeable:
-            dtype, reduce_op, comp, layout = checked
-            buffer = checked_buffer(buf, dtype)
-            if layout is not None:
-                return layout.plan(buf, buffer)
-            return collectives.plan_checked_allreduce(buf, buffer, reduce_op, comp)
-        buffer, reduce_op, comp = collectives.check_allreduce(buf, op, compression)
-        layout = latency.small_allreduce(self.ctx, buffer, reduce_op, comp) or bound.bound_allreduce(
-            self.ctx, buffer, reduce_op, comp
-        )
-        held = 2 * buffer.nbytes if isinstance(layout, latency.SmallAllreduce) else 0  # its own scratch
-        self._forget_layouts(held)
-        self._checked[key] = (buffer.dtype, reduce_op, comp, layout)
-        if held:
-            self._held[key] = held
-            self._held_bytes += held
-        return collectives.plan_checked_allreduce(buf, buffer, reduce_op, comp)
+        if type(buf) is np.ndarray and buf.flags.writeable:
+            key = (buf.dtype, buf.shape, buf.strides, op, compression)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = allreduce.plan_for_layout(self.ctx, buf, op, compression)
+                self._plans.put(key, plan)
+            return plan
+        return allreduce.plan_for_call(self.ctx, buf, op, compression)
 
-    def _forget_layouts(self, incoming: int) -> None:
-        """Make room for a layout holding ``incoming`` bytes: forget the least recently used ones.
+    def plan_cache(self) -> dict[str, Any]:
+        """What the plan cache holds: ``layouts``, ``scratch_bytes``, ``forms`` and ``calls`` per form.
 
-        The cache keeps at most ``_CHECKED_CACHE`` layouts and, of the scratch small
-        layouts keep for themselves (two buffers of their size at most),
-        ``RINGCORE_PLAN_CACHE_BYTES``: training with ever new shapes (sequence
-        lengths, ragged batches) must not grow memory without bound.
+        For tests and tuning; see :mod:`ringcore.plans.cache` and the forms in
+        :mod:`ringcore.plans.allreduce`.
         """
-        limit = self.settings.plan_cache_bytes
-        while self._checked and (len(self._checked) >= _CHECKED_CACHE or self._held_bytes + incoming > limit):
-            oldest = next(iter(self._checked))  # the least recently used (_checked_layout)
-            del self._checked[oldest]
-            self._held_bytes -= self._held.pop(oldest, 0)
-
-    def plan_cache(self) -> dict[str, int]:
-        """What the layout cache holds: ``{"layouts": n, "scratch_bytes": bytes}`` (for tests and tuning)."""
-        return {"layouts": len(self._checked), "scratch_bytes": self._held_bytes}
+        return self._plans.stats()
 
     def clear_plan_cache(self) -> None:
-        """Forget every remembered layout (their next call validates and plans again)."""
-        self._checked.clear()
-        self._held.clear()
-        self._held_bytes = 0
-
-    def _checked_layout(
-        self, buf: np.ndarray, op: Any, compression: Any
-    ) -> tuple[tuple | None, tuple | None]:
-        """``(key, validation)`` of ``buf``'s layout in the validation cache.
-
-        ``validation`` is None for a layout not validated yet; ``key`` is None
-        when ``op`` or ``compression`` is unhashable (the planner then says
-        whether it is wrong). A hit moves the layout to the cache's end, so a
-        full cache forgets the layout used least recently.
-        """
-        key = (buf.dtype, buf.shape, buf.strides, op, compression)
-        try:
-            checked = self._checked.pop(key, None)
-        except TypeError:
-            return None, None
-        if checked is not None:
-            self._checked[key] = checked
-        return key, checked
+        """Forget every kept plan (their layouts' next calls validate and prepare again)."""
+        self._plans.clear()
 
     def allreduce_async(
         self, buf: Any, op: Any = "sum", compression: Any = None, name: str | None = None
@@ -297,43 +233,39 @@ class Communicator:
 
         Do not read or write ``buf`` until then.
         """
-        return self._call_async(self._allreduce_plan(buf, op, compression), name)
+        return self._run_async(self._allreduce_plan(buf, op, compression), buf, name)
 
     def broadcast(self, buf: Any, root: int = 0, name: str | None = None) -> Any:
         """Copy ``root``'s ``buf`` into every rank's ``buf``, in place; returns ``buf``."""
-        return self._call(collectives.plan_broadcast(buf, root, self.rank, self.size), name)
+        return self._run(broadcast.plan_broadcast(self.ctx, buf, root), buf, name)
 
     def broadcast_async(self, buf: Any, root: int = 0, name: str | None = None) -> Handle:
         """Start a broadcast; ``handle.wait()`` returns ``buf``."""
-        return self._call_async(collectives.plan_broadcast(buf, root, self.rank, self.size), name)
+        return self._run_async(broadcast.plan_broadcast(self.ctx, buf, root), buf, name)
 
     def allgather(self, x: Any, name: str | None = None) -> np.ndarray:
         """Concatenate every rank's ``x`` along axis 0 (first dimensions may differ); a new array."""
-        return self._call(collectives.plan_allgather(x), name)
+        return self._run(gather.plan_allgather(self.ctx, x), x, name)
 
     def reduce_scatter(
         self, x: Any, op: Any = "sum", compression: Any = None, name: str | None = None
     ) -> np.ndarray:
         """This rank's chunk (``np.array_split`` of axis 0) of ``x`` reduced over all ranks; a new array."""
-        return self._call(collectives.plan_reduce_scatter(x, op, compression), name)
+        return self._run(gather.plan_reduce_scatter(self.ctx, x, op, compression), x, name)
 
     def allgather_async(self, x: Any, name: str | None = None) -> Handle:
         """Start an allgather; ``handle.wait()`` returns the new array. Do not write ``x`` until then."""
-        return self._call_async(collectives.plan_allgather(x), name)
+        return self._run_async(gather.plan_allgather(self.ctx, x), x, name)
 
     def reduce_scatter_async(
         self, x: Any, op: Any = "sum", compression: Any = None, name: str | None = None
     ) -> Handle:
         """Start a reduce_scatter; ``handle.wait()`` returns this rank's chunk. Do not write ``x`` until then."""
-        return self._call_async(collectives.plan_reduce_scatter(x, op, compression), name)
+        return self._run_async(gather.plan_reduce_scatter(self.ctx, x, op, compression), x, name)
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
-        bound = self.bound_barrier
-        if bound is not None:
-            self._call_bound("barrier", None, bound.run)
-        else:
-            self._call(latency.plan_barrier(self.ctx))
+        self._run(self._barrier, None, None)
 
     def shutdown(self) -> None:
         """Finish queued async work, say goodbye to peers and close everything; idempotent."""
@@ -369,28 +301,26 @@ class Communicator:
 
     # ------------------------------------------------------------------ ordering
 
-    def _take_ticket(self, kind: str) -> tuple[int, int]:
+    def _take_ticket(self, kind: str) -> int:
         with self._lock:
             if self._closed:
                 raise self._closed_error(kind)
             ticket = self._next_ticket
-            self._next_ticket += 1
-            seq = ticket + 1  # collectives are numbered from 1 in messages
-        return ticket, seq
+            self._next_ticket = ticket + 1
+        return ticket
 
     def _closed_error(self, kind: str) -> CommunicatorClosed:
         return CommunicatorClosed(f"{kind}: the communicator was shut down; call ringcore.init() again")
 
-    def _call(self, plan: collectives.Plan, name: str | None = None) -> Any:
-        plan.name = name
-        ticket, seq = self._take_ticket(plan.kind)
-        return self._run_turn(plan, ticket, seq)
+    def _run(self, plan: Plan, obj: Any, name: str | None) -> Any:
+        """Run ``plan`` on ``obj`` as a blocking collective: in this thread, in its turn."""
+        return self._run_turn(plan, obj, name, self._take_ticket(plan.kind))
 
-    def _call_async(self, plan: collectives.Plan, name: str | None = None) -> Handle:
-        plan.name = name
-        ticket, seq = self._take_ticket(plan.kind)
-        handle = Handle(f"{plan.kind} #{seq}")
-        self._jobs.put((plan, ticket, seq, handle))
+    def _run_async(self, plan: Plan, obj: Any, name: str | None) -> Handle:
+        """Queue ``plan`` on ``obj`` for the async thread; the handle completes in its turn."""
+        ticket = self._take_ticket(plan.kind)
+        handle = Handle(f"{plan.kind} #{ticket + 1}")
+        self._jobs.put((plan, obj, name, ticket, handle))
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="ringcore-async", daemon=True)
             self._worker.start()
@@ -398,50 +328,37 @@ class Communicator:
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            plan, ticket, seq, handle = job
+            plan, obj, name, ticket, handle = job
             try:
-                handle._finish(result=self._run_turn(plan, ticket, seq))
+                handle._finish(result=self._run_turn(plan, obj, name, ticket))
             except BaseException as err:  # handed to the caller through the handle
                 handle._finish(error=err)
 
-    def _run_turn(self, plan: collectives.Plan, ticket: int, seq: int) -> Any:
-        self._await_turn(ticket)
-        start = Timeline.now_us() if self.timeline is not None else 0.0
-        self.progress.enter(seq, plan.kind, plan.name)
-        try:
-            self._check_usable(plan.kind, seq)
-            return quietly(plan.run, self.ctx, seq)  # overflow, NaN, wrap-around: results, not warnings
-        finally:
-            self.progress.leave()
-            if self.timeline is not None:
-                args = {"seq": seq, "name": plan.name, "bytes": plan.nbytes, **plan.details}
-                self.timeline.complete(f"{plan.kind} #{seq}", "collective", start, Timeline.now_us(), args)
-            self._pass_turn()
+    def _run_turn(self, plan: Plan, obj: Any, name: str | None, ticket: int) -> Any:
+        """Wait for ``ticket``'s turn, run ``plan.run(obj, seq)``, pass the turn on.
 
-    def _call_bound(self, kind: str, name: str | None, run: Callable[..., None], *args: Any) -> None:
-        """Run ``run(*args, seq)`` (bound steps: :mod:`ringcore.latency`) as a blocking collective.
-
-        ``_call`` without a plan: the same ticket, turn, checks and progress
-        record as :meth:`_run_turn`, without what a small collective pays most
-        for per call (planning, a Buffer, the timeline, which bound collectives
-        never have). :meth:`_take_ticket` and :meth:`_pass_turn` are written
-        out: every call saved here is time each rank's 4 KiB allreduce waits for.
+        The one place every collective runs: the checks before it (a broken
+        communicator, a stall inspector's verdict), the progress record the
+        stall inspector reads, the timeline's event, and numpy's floating-point
+        errors ignored (overflow, NaN, wrap-around are results, not warnings).
+        Every call here is time each rank's 4 KiB allreduce waits for, so the
+        turn is passed inline.
         """
-        with self._lock:
-            if self._closed:
-                raise self._closed_error(kind)
-            ticket = self._next_ticket
-            self._next_ticket = ticket + 1
-        seq = ticket + 1
+        seq = ticket + 1  # collectives are numbered from 1 in messages
         if self._turn != ticket:
             self._await_turn(ticket)
-        self.progress.enter(seq, kind, name)
+        timeline = self.timeline
+        start = Timeline.now_us() if timeline is not None else 0.0
+        self.progress.enter(seq, plan.kind, name)
         try:
-            self._check_usable(kind, seq)
-            quietly(run, *args, seq)
+            self._check_usable(plan.kind, seq)
+            return ignoring_fp_errors(plan.run, obj, seq)
         finally:
             self.progress.leave()
-            with self._lock:  # _pass_turn
+            if timeline is not None:
+                args = {"seq": seq, "name": name, "bytes": plan.nbytes, **plan.details}
+                timeline.complete(f"{plan.kind} #{seq}", "collective", start, Timeline.now_us(), args)
+            with self._lock:  # pass the turn
                 self._turn += 1
                 if self._abandoned or self._waiters:
                     self._skip_abandoned()
@@ -487,11 +404,6 @@ class Communicator:
         if self.stall is not None and (reason := self.stall.interruption()):
             raise CollectiveTimeout(f"{kind} #{seq}: {reason}")
 
-    def _pass_turn(self) -> None:
-        with self._lock:
-            self._turn += 1
-            self._skip_abandoned()
-
     def _skip_abandoned(self) -> None:
         """Move the turn past abandoned tickets and wake the waiters (with the lock held)."""
         while self._turn in self._abandoned:
@@ -503,4 +415,4 @@ class Communicator:
     def confirm_world(self) -> None:
         """A barrier outside the numbered collectives (#0): every rank is connected and alive."""
         if self.size > 1:
-            quietly(collectives.plan_barrier().run, self.ctx, 0)
+            ignoring_fp_errors(self._barrier.run, None, 0)

@@ -1,7 +1,6 @@
 """The Context: what plans and executors run with, made by the Communicator and handed down.
 
-A plan (:mod:`ringcore.collectives`, :mod:`ringcore.latency`, :mod:`ringcore.bound`,
-:mod:`ringcore.device.plans`) receives the Context, never the Communicator: it
+A plan (:mod:`ringcore.plans`, :mod:`ringcore.device.plans`) receives the Context, never the Communicator: it
 holds the transport, the settings, the scratch pools and reducers kept between
 collectives, the device resources, the timeline and the stall inspector, and
 runs schedules (:meth:`Context.execute`: the executor is chosen here, once).
@@ -72,7 +71,6 @@ class Context:
         self.cache_slices = cache_slices  # the same on every rank (shared rendezvous records)
         self.wide_segments = wide_segments  # TCP ring without cache slices: 2 MiB segments (segment_size)
         self.broken: BaseException | None = None  # set by fail(): later collectives refuse to run
-        self.bound_barrier: Any = None  # latency.BoundBarrier, made in the first barrier's turn
         self._scratch: dict[Buf, np.ndarray] = {}
         self._views: dict[tuple[Any, ...], dict[Buf, np.ndarray]] = {}
         self._reducers: dict[tuple[str, ReduceOp, Compression], Reducer] = {}
@@ -89,7 +87,6 @@ class Context:
         self._views.clear()
         self._reducers.clear()
         self._device = None
-        self.bound_barrier = None
 
     def reducer(self, dtype: DType, op: ReduceOp, compression: Compression) -> Reducer:
         """The kernels for one kind of collective, kept so their scratch arrays are reused."""

@@ -4,7 +4,7 @@ Large buffers. Scratch (WORK, STAGE) is as long as what one schedule
 reduces, so an allreduce or broadcast of more than ``RINGCORE_SLICE_BYTES``
 runs as a sequence of complete collectives over equal slices
 (:func:`slice_bounds`, tags numbered by slice), which bounds scratch memory
-by the slice. Host and GPU plans (:mod:`ringcore.collectives`,
+by the slice. Host and GPU plans (:mod:`ringcore.plans`,
 :mod:`ringcore.device.plans`) take the same slices and the same schedule for
 each (:func:`allreduce_schedule`), so host and GPU ranks share a ring at
 every size. A failure in slice k leaves the slices before it reduced and
@@ -14,11 +14,13 @@ those after it untouched, and the error's note says so (:func:`note_failure`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ringcore.algo import halving_doubling, recursive_doubling, ring
 from ringcore.algo.steps import Buf, Schedule
+from ringcore.buffers import Buffer
 from ringcore.errors import MismatchError
 
 if TYPE_CHECKING:
@@ -34,9 +36,10 @@ def allreduce_schedule(
     (latency); halving-doubling on a world of 4 or more up to
     ``RINGCORE_HALVING_BYTES`` (a quarter of it when ranks past the largest
     power of two fold in, see ``halving_doubling.byte_limit``): the ring's
-    bytes in 2 log2(N) unpipelined steps instead of 2(N-1), measured 1.2-4.6x
-    faster from 128 KiB to 4 MiB at N=4 and N=8 on 2 cores, even at 8-16 MiB;
-    the pipelined ring for the rest, and for every slice of a sliced buffer.
+    bytes in 2 log2(N) unpipelined steps instead of 2(N-1), so fewer waits on
+    peers (measured: ``bench/HISTORY.md``, "Halving-doubling for mid-sized
+    allreduces"); the pipelined ring for the rest, and for every slice of a
+    sliced buffer.
     ``in_place`` (WORK in the caller's dtype) makes the ring, and
     halving-doubling unless ``RINGCORE_ATOMIC=1``, write the result straight
     into the caller's buffer.
@@ -60,7 +63,8 @@ def allreduce_schedule(
     ):
         return halving_doubling.allreduce(ctx.rank, ctx.size, count, in_place and not settings.atomic)
     # Compressed rings (not in place) convert every segment on its way out: small segments
-    # overlap those casts with the wire (fp16 at 1 Gbit/s, 16M: 114 ms with 512 KiB, 123 with 2 MiB).
+    # overlap those casts with the wire (measured: bench/HISTORY.md, "Loopback after plan reuse and 2 MiB
+    # segments on crowded hosts").
     segment_bytes = settings.segment_size(
         wide=ctx.wide_segments and in_place, whole_chunk=ctx.cache_slices and in_place
     )
@@ -74,6 +78,22 @@ def slice_bounds(count: int, slice_bytes: int, wire_itemsize: int) -> list[tuple
         return [(0, count)]
     per_slice = -(-count // -(-count // limit))  # equal slices: no short last one
     return [(start, min(per_slice, count - start)) for start in range(0, count, per_slice)]
+
+
+def buffer_slices(buffer: Buffer, slice_bytes: int, wire_itemsize: int) -> list[tuple[int, Buffer]]:
+    """``(first element, piece)`` per slice whose scratch fits ``slice_bytes`` (one piece if all fits).
+
+    Scratch is in the wire dtype (half the caller's bytes with fp16
+    compression), and it follows the slice, not the buffer: a 1 GiB allreduce
+    needs one slice's worth.
+    """
+    bounds = slice_bounds(buffer.count, slice_bytes, wire_itemsize)
+    if len(bounds) == 1:
+        return [(0, buffer)]
+    return [
+        (start, dataclasses.replace(buffer, array=buffer.array[start : start + count]))
+        for start, count in bounds
+    ]
 
 
 def writes_user(schedule: Schedule) -> bool:

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import ringcore
-from ringcore import collectives
 from ringcore.jax import host, traced, trees
 from ringcore.ops import Compression, ReduceOp
+from ringcore.plans import validate
 
 
 def allreduce(x: Any, op: Any = "sum", compression: Any = None, name: str | None = None) -> Any:
@@ -77,7 +77,7 @@ def broadcast(x: Any, root: int = 0, name: str | None = None) -> Any:
     """
     comm = ringcore.communicator()
     packing, leaves = trees.packing(x, "broadcast")
-    collectives.plan_broadcast(np.empty(0, np.uint8), root, comm.rank, comm.size)  # checks root only
+    validate.check_root(root, comm.size, "broadcast")
     if not packing.groups:
         return x
     if packing.traced:
@@ -119,9 +119,10 @@ def allgather(x: Any, name: str | None = None, rows: Sequence[int] | None = None
     if len(leaves) != 1 or not jax.tree_util.treedef_is_leaf(packing.treedef):
         raise TypeError(f"allgather takes one array, got a {type(x).__name__}; gather each leaf on its own")
     shape = tuple(np.shape(x))
-    collectives.plan_allgather(
-        np.empty((0, *shape[1:]) if shape else (), np.dtype(x.dtype))
-    )  # 0-d? sends nothing
+    empty = validate.as_buffer(
+        np.empty((0, *shape[1:]) if shape else (), np.dtype(x.dtype)), writable=False, what="allgather input"
+    )
+    validate.rows(empty, "allgather")  # a bad dtype or a 0-d array: refused before anything is sent
     checked = None if rows is None else _checked_rows(rows, shape[0], comm.rank, comm.size)
     if packing.traced:
         return traced.allgather(x, checked or (shape[0],) * comm.size, name)
@@ -134,7 +135,7 @@ def allgather(x: Any, name: str | None = None, rows: Sequence[int] | None = None
 def _checked_reduction(packing: trees.Packing, op: Any, compression: Any) -> tuple[ReduceOp, Compression]:
     """``op`` and ``compression`` parsed and checked against every group's dtype, as ringcore checks them."""
     for group in packing.groups:
-        collectives.check_allreduce(np.empty(0, group.dtype), op, compression)
+        validate.check_allreduce(np.empty(0, group.dtype), op, compression)
     return ReduceOp.parse(op), Compression.parse(compression)
 
 

@@ -24,7 +24,7 @@ N=4 on 2 cores took 101-124 us on it against 138-173 us posted early.
 
 Binding. :func:`bind` resolves a compiled schedule's regions to views once;
 :func:`run_bound` runs bound steps. The executor binds per call; a small
-allreduce bound per array layout (:mod:`ringcore.latency`) binds once and
+allreduce bound per array layout (:class:`ringcore.plans.allreduce.AllreducePlan`, its small form) binds once and
 reuses the steps. Waiting goes through the transport's ``exchange`` when it
 has one (TCP's latency path), else ``progress``.
 
@@ -154,7 +154,7 @@ def bind(compiled: Compiled, arrays: dict[Buf, np.ndarray]) -> tuple[Bound, ...]
     A step is ``(tag bits, (peer, channel, view) | None, same for the receive,
     (dst, a, b) arrays | None, final, scratch)``; ``scratch`` is False when
     the receive lands in USER (see the module docstring). Binding once and
-    running many times (:class:`ringcore.latency.SmallAllreduce`) saves a
+    running many times (the small form of :class:`ringcore.plans.allreduce.AllreducePlan`) saves a
     small allreduce the slicing and casting of every call.
     """
 

@@ -17,7 +17,7 @@ The hot path (same dtype everywhere, the common case) is one ufunc call with
 scratch array per :class:`Reducer`, never a fresh temporary per call.
 
 Overflow to inf, NaN inputs and integer wrap-around are results, not
-warnings: callers run these kernels under :func:`quietly` (the communicator
+warnings: callers run these kernels under :func:`ignoring_fp_errors` (the communicator
 does, once per collective, not once per segment).
 """
 
@@ -71,7 +71,7 @@ def _errstate_variable() -> tuple[Any, Any]:
 _extobj_contextvar, _IGNORE_ALL = _errstate_variable()
 
 
-def quietly(run: Callable[..., T], *args: Any) -> T:
+def ignoring_fp_errors(run: Callable[..., T], *args: Any) -> T:
     """``run(*args)`` with numpy's floating-point errors ignored, as under ``np.errstate(all="ignore")``.
 
     The same context variable, set without building an ``errstate`` (about 1.4

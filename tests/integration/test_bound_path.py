@@ -1,7 +1,8 @@
-"""The planned-once in-place allreduce (``ringcore.bound``): results, agreement, failures.
+"""The in-place form of kept allreduce plans (``ringcore.plans.allreduce``): results, agreement, failures.
 
-A numpy allreduce above ``RINGCORE_SMALL_BYTES`` whose layout already passed
-validation keeps its schedules (one per slice) and runs without planning, in place. These
+A numpy allreduce above ``RINGCORE_SMALL_BYTES`` keeps its plan per layout,
+whose first turn compiles each slice's schedule once; calls then run it in
+place. These
 tests run it over real processes and sockets: mixed with ranks on the
 general plan in the same collective, against numpy for several dtypes and
 ops, with layouts that must keep the general plan (fp16, atomic), with a
@@ -17,7 +18,6 @@ import numpy as np
 import pytest
 
 import ringcore
-from ringcore.bound import BoundAllreduce
 from tests import tasks
 from tests.cluster import Cluster, qualified
 
@@ -37,7 +37,7 @@ def _value(rank: int, round_: int, count: int, dtype: str) -> np.ndarray:
 
 def _planned(comm: Any) -> int:
     """How many of ``comm``'s remembered layouts run planned once."""
-    return tasks.kept_layouts(comm, BoundAllreduce)
+    return tasks.kept_layouts(comm, "in_place")
 
 
 def mixed_paths(comm: Any, count: int) -> dict[str, Any]:
@@ -184,37 +184,3 @@ def test_hundreds_of_layouts_stay_planned() -> None:
     for rank, report in enumerate(reports):
         assert report["wrong"] == [[], [], []], (rank, report["wrong"])
         assert report["kept"][1:] == [LAYOUTS, LAYOUTS], (rank, report["kept"])
-
-
-HOT = [5, 9, 300, 20_000]  # layouts reduced every step; 20_000 is above the small limit
-
-
-def hot_and_one_off_layouts(comm: Any) -> dict[str, Any]:
-    """With room for 16 layouts, 4 used every round outlive 10 new ones per round."""
-    from ringcore import comm as comm_module
-
-    comm_module._CHECKED_CACHE = 16  # this rank's process only
-    out: dict[str, Any] = {"wrong": [], "replanned": []}
-    first: dict[int, Any] = {}
-    for round_ in range(6):
-        counts = HOT + [1000 + 10 * round_ + i for i in range(10)]
-        for count in counts:
-            buf = comm.allreduce(_value(comm.rank, round_, count, "float32"))
-            want = sum(_value(rank, round_, count, "float32") for rank in range(comm.size))
-            if not np.array_equal(buf, want):
-                out["wrong"].append((round_, count))
-        layouts = {key[1][0]: entry for key, entry in comm._checked.items()}
-        for count in HOT:
-            if first.setdefault(count, layouts.get(count)) is not layouts.get(count):
-                out["replanned"].append((round_, count))
-    out["size"] = len(comm._checked)
-    return out
-
-
-@pytest.mark.timeout(60)
-def test_a_full_layout_cache_forgets_the_least_recently_used() -> None:
-    with Cluster(2) as cluster:
-        reports = cluster.results(hot_and_one_off_layouts)
-    for rank, report in enumerate(reports):
-        assert report["wrong"] == [], (rank, report)
-        assert report["replanned"] == [] and report["size"] == 16, (rank, report)

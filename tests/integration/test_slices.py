@@ -15,8 +15,8 @@ import pytest
 
 import ringcore
 from ringcore.buffers import as_buffer
-from ringcore.collectives import _slices, allreduce_schedule, failure_note
 from ringcore.config import MIB, SCRATCH_SLICE_BYTES
+from ringcore.slicing import allreduce_schedule, buffer_slices, failure_note
 from tests import tasks
 from tests.cluster import Background, Cluster, RankError, qualified
 
@@ -26,13 +26,13 @@ COUNT = 100_003  # float32: 7 equal slices (within 7 elements) of at most 64 KiB
 
 def test_slices_are_equal_and_cover_the_buffer() -> None:
     buffer = as_buffer(np.zeros(COUNT, np.float32), writable=True)
-    pieces = _slices(buffer, 64 * 1024, 4)
+    pieces = buffer_slices(buffer, 64 * 1024, 4)
     assert [start for start, _ in pieces] == list(range(0, COUNT, 14_287))  # 7 slices of <= 16384
     assert sum(piece.count for _, piece in pieces) == COUNT
     assert max(p.count for _, p in pieces) - min(p.count for _, p in pieces) <= 7
     assert all(np.shares_memory(piece.array, buffer.array) for _, piece in pieces)
-    assert _slices(buffer, 1 << 30, 4) == [(0, buffer)]
-    assert len(_slices(buffer, 64 * 1024, 2)) == 4  # fp16 on the wire: scratch is half as long
+    assert buffer_slices(buffer, 1 << 30, 4) == [(0, buffer)]
+    assert len(buffer_slices(buffer, 64 * 1024, 2)) == 4  # fp16 on the wire: scratch is half as long
 
 
 def test_a_failed_slice_notes_what_is_already_done() -> None:
@@ -119,7 +119,7 @@ def ring_segment_bytes(comm: Any, in_place: bool = True) -> int:
     ``in_place=False`` is the compressed ring (its wire dtype differs from the buffer's).
     """
     count = 3 << 22
-    schedule = allreduce_schedule(comm, count, 4, in_place=in_place)
+    schedule = allreduce_schedule(comm.ctx, count, 4, in_place=in_place)
     return count // comm.size * 4 // schedule.segments
 
 
@@ -162,7 +162,9 @@ def test_a_crowded_host_keeps_the_scratch_budget() -> None:
 
 def slice_segments(comm: Any) -> int:
     """Segments per chunk of one cache-sized slice's ring (float32)."""
-    return allreduce_schedule(comm, comm.allreduce_slice_bytes // 4, 4, in_place=True, sliced=True).segments
+    return allreduce_schedule(
+        comm.ctx, comm.allreduce_slice_bytes // 4, 4, in_place=True, sliced=True
+    ).segments
 
 
 @pytest.mark.timeout(60)

@@ -1,9 +1,9 @@
-"""The bound small-allreduce path (``ringcore.latency``): results, agreement, failures.
+"""The small form of kept allreduce plans (``ringcore.plans.allreduce``): results, agreement, failures.
 
-A small numpy allreduce whose layout already passed validation runs steps
-bound once to their scratch. These tests run it over real processes and
-sockets: mixed with ranks on the general path in the same collective (the
-frames must be the same), against numpy for several dtypes, ops and fp16
+A small numpy allreduce keeps its plan per layout, whose first turn binds
+the recursive-doubling steps to scratch of its own. These tests run it over
+real processes and sockets: mixed with ranks on the general form in the same
+collective (the frames must be the same), against numpy for several dtypes, ops and fp16
 compression, and with a peer that died or stopped, where the caller's buffer
 must come back untouched and every survivor must name the culprit.
 """
@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 import ringcore
-from ringcore.latency import SmallAllreduce
 from tests import tasks
 from tests.cluster import Background, Cluster, RankError, qualified
 
@@ -45,8 +44,8 @@ def _value(rank: int, round_: int, count: int, dtype: str) -> np.ndarray:
 
 
 def _bound(comm: Any) -> int:
-    """How many of ``comm``'s remembered layouts run on bound steps."""
-    return tasks.kept_layouts(comm, SmallAllreduce)
+    """How many of ``comm``'s kept plans run the small form (steps bound once)."""
+    return tasks.kept_layouts(comm, "small")
 
 
 def mixed_paths(comm: Any, count: int) -> dict[str, Any]:
@@ -192,18 +191,13 @@ def test_bound_allreduce_waits_its_turn_behind_async_work() -> None:
         assert report["bound"] == 1
 
 
-def barriers_mixed(comm: Any, rounds: int) -> dict[str, Any]:
-    """Barriers with ranks on the bound and the general plan in the same barrier, then a mismatch."""
+def barriers_then_a_mismatch(comm: Any, rounds: int) -> dict[str, Any]:
+    """Barriers where a different rank enters last each round, then a barrier against an allreduce."""
     import time
-
-    from ringcore import collectives
 
     left = []
     for round_ in range(rounds):
-        if (round_ + comm.rank) % 2:
-            comm._call(collectives.plan_barrier())
-        else:
-            comm.barrier()
+        comm.barrier()
         if comm.rank == round_ % comm.size:
             time.sleep(0.05)  # the last to enter: nobody may leave the next barrier before this rank
         entered = time.monotonic()
@@ -213,22 +207,21 @@ def barriers_mixed(comm: Any, rounds: int) -> dict[str, Any]:
     try:
         comm.barrier() if comm.rank == 1 else comm.allreduce(x)
     except ringcore.MismatchError as err:
-        return {"left": left, "bound": comm.bound_barrier is not None, "error": str(err)}
-    return {"left": left, "bound": comm.bound_barrier is not None, "error": None}
+        return {"left": left, "error": str(err)}
+    return {"left": left, "error": None}
 
 
 @pytest.mark.timeout(90)
-def test_bound_and_general_barriers_agree_and_hold() -> None:
+def test_barriers_hold_and_a_mismatch_names_the_barrier() -> None:
     """Clocks are per process, but one host's monotonic clock is shared: compare them directly."""
     size, rounds = 3, 6
     with Cluster(size, env={"RINGCORE_TIMEOUT": "10"}) as cluster:
-        reports = cluster.results(barriers_mixed, rounds)
+        reports = cluster.results(barriers_then_a_mismatch, rounds)
     for round_ in range(rounds):
         last_in = max(report["left"][round_][0] for report in reports)
         first_out = min(report["left"][round_][1] for report in reports)
         assert first_out >= last_in, f"round {round_}: a rank left the barrier before the last one entered"
-    for rank, report in enumerate(reports):
-        assert report["bound"], rank
+    for report in reports:
         assert (
             report["error"]
             and "the collective" in report["error"]
@@ -260,24 +253,15 @@ def test_bound_layouts_do_not_pin_outgrown_scratch() -> None:
         assert report["alive"] == 0, report
 
 
-def count_bound_calls(comm: Any) -> list[str]:
-    """Record every call that takes the plan-free bound path (``Communicator._call_bound``)."""
-    calls: list[str] = []
-    real = comm._call_bound
-
-    def counted(kind: str, *args: Any) -> None:
-        calls.append(kind)
-        real(kind, *args)
-
-    comm._call_bound = counted
-    return calls
+def small_calls(comm: Any) -> int:
+    """How many calls ``comm``'s kept plans ran in the small form."""
+    return comm.plan_cache()["calls"].get("small", 0)
 
 
 def shaped_layouts(comm: Any) -> dict[str, Any]:
     """N-d float32 and (with ml_dtypes) bfloat16 layouts, reduced until they run on bound steps."""
     dtypes = ["float32"] + (["bfloat16"] if BFLOAT16 is not None else [])
     out: dict[str, Any] = {"results": {}, "bound": 0}
-    calls = count_bound_calls(comm)
     for round_ in range(4):
         for dtype in dtypes:
             for shape in [(3, 5, 7), (105,)]:
@@ -285,7 +269,7 @@ def shaped_layouts(comm: Any) -> dict[str, Any]:
                 x = x.astype(BFLOAT16) if dtype == "bfloat16" else x
                 assert comm.allreduce(x) is x
                 out["results"].setdefault(f"{dtype}-{shape}", []).append(x.astype(np.float32))
-    out["bound"], out["bound calls"] = _bound(comm), calls.count("allreduce")
+    out["bound"], out["bound calls"] = _bound(comm), small_calls(comm)
     return out
 
 
@@ -302,18 +286,18 @@ def test_bound_layouts_of_any_shape_and_bfloat16_match_numpy() -> None:
     layouts = 2 * (1 + (BFLOAT16 is not None))
     for report in reports:
         assert report["bound"] == layouts
-        # Round 1 validates, round 2 binds, rounds 3 and 4 skip planning.
-        assert report["bound calls"] == 2 * layouts, report["bound calls"]
+        # Round 1 validates and binds in its turn; every round runs the small form.
+        assert report["bound calls"] == 4 * layouts, report["bound calls"]
 
 
 def overflow_under_raise(comm: Any) -> dict[str, Any]:
     """float32 sums that overflow and NaNs, with the caller's numpy set to raise and warnings as errors."""
-    results, calls = [], count_bound_calls(comm)
+    results = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         old = np.seterr(all="raise")
         try:
-            for _ in range(5):  # the first call validates, the second binds, the rest skip planning
+            for _ in range(5):  # the first call validates and binds in its turn; all run the small form
                 x = np.full(16, np.finfo(np.float32).max, np.float32)
                 x[0] = np.nan
                 comm.allreduce(x)
@@ -321,7 +305,7 @@ def overflow_under_raise(comm: Any) -> dict[str, Any]:
             after = np.geterr()
         finally:
             np.seterr(**old)
-    return {"results": results, "after": after, "bound": _bound(comm), "bound calls": len(calls)}
+    return {"results": results, "after": after, "bound": _bound(comm), "bound calls": small_calls(comm)}
 
 
 @pytest.mark.timeout(90)
@@ -329,7 +313,7 @@ def test_overflow_and_nan_are_results_and_the_callers_error_state_is_kept() -> N
     with Cluster(3) as cluster:
         reports = cluster.results(overflow_under_raise)
     for report in reports:
-        assert report["bound"] == 1 and report["bound calls"] == 3
+        assert report["bound"] == 1 and report["bound calls"] == 5
         assert report["after"] == {"divide": "raise", "over": "raise", "under": "raise", "invalid": "raise"}
         for got in report["results"]:
             assert np.isnan(got[0]) and np.isposinf(got[1:]).all(), got

@@ -127,9 +127,10 @@ def test_gpu_buffers_are_described_not_touched() -> None:
 
 
 def test_cuda_dlpack_goes_through_the_device_layer() -> None:
-    """The collectives import DLPack-only CUDA memory through the device layer; buffers knows no device code."""
-    from ringcore import collectives, device
+    """The plans import DLPack-only CUDA memory through the device layer; buffers knows no device code."""
+    from ringcore import device
     from ringcore.device.fake import FakeLayer
+    from ringcore.plans import validate
 
     class CudaDLPack:  # a CUDA-only DLPack producer (its bytes are host memory, for the fake layer)
         def __init__(self, data: np.ndarray) -> None:
@@ -144,7 +145,7 @@ def test_cuda_dlpack_goes_through_the_device_layer() -> None:
     data = np.arange(6, dtype=np.float64)
     previous = device.use(FakeLayer())
     try:
-        buf = collectives.as_buffer(CudaDLPack(data), writable=True, what="x")
+        buf = validate.as_buffer(CudaDLPack(data), writable=True, what="x")
         with pytest.raises(TypeError, match="DLPack only"):
             as_buffer(CudaDLPack(data), writable=True)
     finally:

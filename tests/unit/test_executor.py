@@ -4,7 +4,7 @@ A send completes only when the matching receive is posted, so any
 send-before-receive ordering bug deadlocks here and surfaces as a
 CollectiveTimeout. Segment sizes of a few elements force the multi-segment
 pipeline, and 2-3 channels exercise the per-channel routing. Results are
-compared with numpy and committed the way ``ringcore.collectives`` does.
+compared with numpy and committed the way ``ringcore.plans`` do.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ SIGNATURE = 0x5EED
 def scratch_arrays(
     schedule: Schedule, user: np.ndarray, wire_dtype: np.dtype, reducer: Reducer | None = None
 ) -> dict[Buf, np.ndarray]:
-    """As ``Communicator.scratch_arrays`` (garbage-filled) plus the prefill ``collectives`` does."""
+    """As ``Communicator.scratch_arrays`` (garbage-filled) plus the prefill the allreduce plan does."""
     arrays = {Buf.USER: user}
     for buf in schedule.buffers - {Buf.USER}:
         arrays[buf] = np.full(user.size, 0x7F, np.uint8).repeat(wire_dtype.itemsize).view(wire_dtype)

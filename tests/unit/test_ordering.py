@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import ringcore
-from ringcore import collectives
 from ringcore.comm import Communicator
 from ringcore.config import Settings
+from ringcore.plans.base import CallPlan
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -21,11 +21,11 @@ def test_a_caller_interrupted_before_its_turn_breaks_the_communicator_instead_of
     comm = Communicator(0, 1, 0, 1, Settings(), None)
     release, holding = threading.Event(), threading.Event()
 
-    def hold(comm: Communicator, seq: int) -> None:
+    def hold(obj: Any, seq: int) -> None:
         holding.set()
         release.wait(10)
 
-    first = threading.Thread(target=comm._call, args=(collectives.Plan("test", hold),), daemon=True)
+    first = threading.Thread(target=comm._run, args=(CallPlan("test", hold), None, None), daemon=True)
     first.start()
     assert holding.wait(10)
     real_wait, outcome = comm._cond.wait, {}

@@ -1,0 +1,62 @@
+"""What every plan is, and the one runner of steps bound to arrays.
+
+A plan is a validated collective: the Communicator made it in the caller's
+thread (``TypeError``/``ValueError`` before anything is sent) and calls
+``run(obj, seq)`` in the collective's turn, where ``obj`` is the caller's
+object and ``seq`` the collective's number. ``run`` returns the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ringcore.algo import lockstep
+from ringcore.transport import wire
+
+if TYPE_CHECKING:
+    from ringcore.context import Context
+
+
+class Plan(Protocol):
+    """A collective ready to run in its turn (see the module docstring)."""
+
+    kind: str
+    nbytes: int
+    details: dict[str, Any]
+
+    def run(self, obj: Any, seq: int) -> Any: ...
+
+
+@dataclasses.dataclass
+class CallPlan:
+    """The plan of one call: ``run`` closes over the validated arguments."""
+
+    kind: str
+    run: Callable[[Any, int], Any]
+    nbytes: int = 0
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def run_steps(
+    ctx: Context,
+    steps: tuple[lockstep.Bound, ...],
+    early: tuple[int, ...],
+    reducer: Any,
+    seq: int,
+    signature: int,
+    part: int = 0,
+) -> None:
+    """Run steps bound to arrays as schedule ``part`` of collective ``seq``, with the timeout and stall check."""
+    assert ctx.transport is not None
+    lockstep.run_bound(
+        ctx.transport,
+        steps,
+        early,
+        reducer,
+        (wire.tag_seq(seq, part) & 0xFFFFFFFF) << 32,
+        signature,
+        ctx.settings.timeout,
+        ctx.stall.interruption if ctx.stall is not None else None,
+    )

@@ -1,0 +1,73 @@
+"""The plan cache: allreduce plans of the layouts a program reduces, least recently used forgotten first.
+
+Training loops reduce arrays of the same few layouts every step, so an
+allreduce plan is kept per layout (dtype, shape, strides, op, compression)
+and its first turn's preparation is paid once. Programs with ever new shapes
+(sequence lengths, ragged batches) must not grow memory without bound, so
+the cache is bounded twice: in layouts (:data:`MAX_LAYOUTS`) and in the
+scratch its plans hold for themselves (``RINGCORE_PLAN_CACHE_BYTES``; a small
+allreduce plan holds two arrays of its size). A hit moves a layout to the
+end; making room forgets from the front. Read it through
+``Communicator.plan_cache()``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from ringcore.plans.allreduce import AllreducePlan
+
+MAX_LAYOUTS = 4096
+
+
+class PlanCache:
+    """Kept allreduce plans by layout key, bounded in count and in bytes of scratch they hold."""
+
+    def __init__(self, max_bytes: int, max_layouts: int = MAX_LAYOUTS) -> None:
+        self.max_bytes, self.max_layouts = max_bytes, max_layouts
+        self._plans: dict[Any, AllreducePlan] = {}
+        self._held_bytes = 0
+
+    def get(self, key: Any) -> AllreducePlan | None:
+        """The plan kept for ``key`` (moved to the end: used most recently), or None (also if unhashable)."""
+        try:
+            plan = self._plans.pop(key, None)
+        except TypeError:
+            return None
+        if plan is not None:
+            self._plans[key] = plan
+        return plan
+
+    def put(self, key: Any, plan: AllreducePlan) -> None:
+        """Keep ``plan`` for ``key``, forgetting the least recently used plans to make room."""
+        try:
+            hash(key)
+        except TypeError:
+            return
+        if plan.holds > self.max_bytes:
+            return  # it runs this once, and is forgotten
+        plans = self._plans
+        while plans and (len(plans) >= self.max_layouts or self._held_bytes + plan.holds > self.max_bytes):
+            self._held_bytes -= plans.pop(next(iter(plans))).holds
+        plans[key] = plan
+        self._held_bytes += plan.holds
+
+    def clear(self) -> None:
+        """Forget every plan (their layouts' next calls validate and prepare again)."""
+        self._plans.clear()
+        self._held_bytes = 0
+
+    def stats(self) -> dict[str, Any]:
+        """``layouts``, ``scratch_bytes`` held, and per form the ``forms`` (layouts) and ``calls`` they ran."""
+        forms: Counter[str] = Counter()
+        calls: Counter[str] = Counter()
+        for plan in self._plans.values():
+            forms[plan.form] += 1
+            calls[plan.form] += plan.calls
+        return {
+            "layouts": len(self._plans),
+            "scratch_bytes": self._held_bytes,
+            "forms": dict(forms),
+            "calls": dict(calls),
+        }

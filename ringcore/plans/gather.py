@@ -1,0 +1,97 @@
+"""The allgather and reduce_scatter plans: rows split along the first dimension, host buffers only."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ringcore.algo import ring
+from ringcore.algo.steps import Buf, chunk_bounds
+from ringcore.buffers import DTYPES
+from ringcore.descriptor import Descriptor
+from ringcore.ops import Compression, ReduceOp
+from ringcore.plans.base import CallPlan
+from ringcore.plans.validate import as_buffer, as_caller_dtype, check_reduction, host_only, rows
+
+if TYPE_CHECKING:
+    from ringcore.context import Context
+
+
+def plan_allgather(ctx: Context, obj: Any) -> CallPlan:
+    """Every rank's ``obj`` concatenated along axis 0 (first dimensions may differ): a new array.
+
+    The ranks first allgather their row counts (sub-schedule 1), then the
+    rows themselves into one output array, in rank order.
+    """
+    buffer = host_only(as_buffer(obj, writable=False, what="allgather input"), "allgather")
+    n_rows = rows(buffer, "allgather")
+    row_count = int(np.prod(buffer.shape[1:], dtype=np.int64))
+
+    def run(obj: Any, seq: int) -> np.ndarray:
+        trailing = buffer.shape[1:]
+        counts = _gather_counts(ctx, seq, buffer.dtype.name, trailing, n_rows)
+        chunks = tuple((start * row_count, n * row_count) for start, n in _offsets(counts))
+        out = np.empty(sum(counts) * row_count, buffer.dtype.storage)
+        start, n = chunks[ctx.rank]
+        out[start : start + n] = buffer.array
+        if ctx.size > 1:
+            desc = Descriptor("allgather", seq, buffer.dtype.name, trailing)
+            reducer = ctx.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
+            schedule = ring.allgather(
+                ctx.rank, ctx.size, chunks, buffer.dtype.itemsize, ctx.settings.segment_size()
+            )
+            ctx.execute(desc, schedule, {Buf.WORK: out}, reducer)
+        return as_caller_dtype(out, obj).reshape((sum(counts), *trailing))
+
+    return CallPlan(
+        "allgather", run, nbytes=buffer.nbytes, details={"dtype": buffer.dtype.name, "rows": n_rows}
+    )
+
+
+def _gather_counts(ctx: Context, seq: int, dtype: str, trailing: tuple[int, ...], n_rows: int) -> list[int]:
+    counts = np.zeros(ctx.size, np.int64)
+    counts[ctx.rank] = n_rows
+    if ctx.size > 1:
+        desc = Descriptor("allgather", seq, dtype, trailing, None, None, "counts")
+        reducer = ctx.reducer(DTYPES["int64"], ReduceOp.SUM, Compression.NONE)
+        schedule = ring.allgather(ctx.rank, ctx.size, tuple((i, 1) for i in range(ctx.size)), 8, 1 << 20)
+        ctx.execute(desc, schedule, {Buf.WORK: counts}, reducer, sub=1)
+    return [int(c) for c in counts]
+
+
+def _offsets(counts: list[int]) -> list[tuple[int, int]]:
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
+    return [(int(s), int(n)) for s, n in zip(starts, counts, strict=False)]
+
+
+def plan_reduce_scatter(ctx: Context, obj: Any, op: Any, compression: Any) -> CallPlan:
+    """This rank's chunk (``np.array_split`` of axis 0) of ``obj`` reduced over all ranks: a new array."""
+    buffer = host_only(as_buffer(obj, writable=False, what="reduce_scatter input"), "reduce_scatter")
+    n_rows = rows(buffer, "reduce_scatter")
+    reduce_op, comp = ReduceOp.parse(op), Compression.parse(compression)
+    check_reduction(buffer, reduce_op, comp, "reduce_scatter")
+    row_count = int(np.prod(buffer.shape[1:], dtype=np.int64))
+
+    def run(obj: Any, seq: int) -> np.ndarray:
+        desc = Descriptor(
+            "reduce_scatter", seq, buffer.dtype.name, buffer.shape, reduce_op.value, None, comp.value
+        )
+        row_chunks = chunk_bounds(n_rows, ctx.size)
+        chunks = tuple((start * row_count, n * row_count) for start, n in row_chunks)
+        start, n = chunks[ctx.rank]
+        out = np.empty(n, buffer.dtype.storage)
+        reducer = ctx.reducer(buffer.dtype, reduce_op, comp)
+        if ctx.size == 1:
+            out[:] = buffer.array
+        else:
+            schedule = ring.reduce_scatter(
+                ctx.rank, ctx.size, chunks, reducer.wire_dtype.itemsize, ctx.settings.segment_size()
+            )
+            arrays = ctx.scratch_arrays(schedule, buffer, reducer.wire_dtype)
+            ctx.execute(desc, schedule, arrays, reducer)
+            reducer.convert(out, arrays[Buf.WORK][start : start + n])
+        return as_caller_dtype(out, obj).reshape((row_chunks[ctx.rank][1], *buffer.shape[1:]))
+
+    details = {"dtype": buffer.dtype.name, "count": buffer.count, "op": reduce_op.value}
+    return CallPlan("reduce_scatter", run, nbytes=buffer.nbytes, details=details)

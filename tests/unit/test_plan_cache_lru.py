@@ -1,0 +1,54 @@
+"""The plan cache's bounds: least recently used layouts go first, in count and in bytes held."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ringcore.plans.cache import PlanCache
+
+
+@dataclass
+class FakePlan:
+    holds: int = 0
+    form: str = "general"
+    calls: int = 0
+
+
+def test_hot_layouts_outlive_one_off_ones_in_a_full_cache() -> None:
+    """With room for 16, four layouts used every round outlive ten new ones per round."""
+    cache = PlanCache(max_bytes=1 << 30, max_layouts=16)
+    hot = {key: FakePlan() for key in ("a", "b", "c", "d")}
+    for key, plan in hot.items():
+        cache.put(key, plan)
+    for round_ in range(6):
+        for key, plan in hot.items():
+            assert cache.get(key) is plan, (round_, key)  # never forgotten, never made again
+        for i in range(10):
+            key = f"one-off-{round_}-{i}"
+            assert cache.get(key) is None
+            cache.put(key, FakePlan())
+        assert cache.stats()["layouts"] == min(16, 4 + 10 * (round_ + 1))
+    assert cache.get("one-off-0-0") is None  # forgotten long ago
+    assert cache.get("one-off-5-9") is not None
+
+
+def test_scratch_held_is_bounded_and_given_back() -> None:
+    cache = PlanCache(max_bytes=100)
+    for i in range(10):
+        cache.put(i, FakePlan(holds=30, form="small", calls=i))
+    stats = cache.stats()
+    assert stats["scratch_bytes"] == 90 and stats["layouts"] == 3
+    assert stats["forms"] == {"small": 3} and stats["calls"] == {"small": 7 + 8 + 9}
+    assert [cache.get(i) is not None for i in (6, 7, 8, 9)] == [False, True, True, True]
+    cache.put("big", FakePlan(holds=101))  # more than the bound on its own: not kept, nothing forgotten
+    assert cache.get("big") is None and cache.stats()["layouts"] == 3
+    cache.clear()
+    assert cache.stats() == {"layouts": 0, "scratch_bytes": 0, "forms": {}, "calls": {}}
+
+
+def test_an_unhashable_key_is_neither_found_nor_kept() -> None:
+    cache = PlanCache(max_bytes=100)
+    key = ("float32", (4,), [1, 2])
+    assert cache.get(key) is None
+    cache.put(key, FakePlan())
+    assert cache.stats()["layouts"] == 0
