@@ -139,14 +139,15 @@ class Settings:
         - ``whole_chunk`` (one host, a CPU per rank: cache-sized slices, see
           ``allreduce_slice_bytes``): 1 MiB, a rank's whole chunk of a slice,
           so every slice is a one-segment ring, which runs in lockstep
-          (``algo.lockstep``) instead of a pipeline of two 512 KiB segments.
-          N=2 on 2 cores, ``barrier; allreduce``, alternating in one job: 11-17%
-          faster at 4-64 MiB, with less user CPU (16 MiB: 3.4 against 4.5 ms).
+          (``algo.lockstep``) instead of a pipeline of two 512 KiB segments:
+          no pipeline bookkeeping per slice, so less user CPU (measured:
+          ``bench/HISTORY.md``, "One segment per rank per cache-sized slice").
         - ``wide`` (the rest): 2 MiB. Fewer, larger segments cost less Python
-          and fewer wake-ups per byte. Measured side by side: N=4 on 2 cores
-          6-8% faster at 4-64 MiB; the emulated 4-host cluster the same at 1
-          Gbit/s (a segment's time does not stall the pipeline, whose links
-          stay busy with earlier segments) and 0-12% faster at 10 Gbit/s.
+          and fewer wake-ups per byte, and where the link is the limit they
+          cost nothing: a segment's time does not stall the pipeline, whose
+          links stay busy with earlier segments (measured:
+          ``bench/HISTORY.md``, "Loopback after plan reuse and 2 MiB segments
+          on crowded hosts").
 
         Everything else (compressed rings, broadcasts, allgathers...): 512 KiB.
         """
@@ -167,10 +168,10 @@ class Settings:
         every rank on one host, a CPU for each) ``size`` MiB, so each rank's
         chunk of a slice (one 1 MiB segment, see ``segment_size``) is still in
         cache when the kernel copies it out, when it is reduced and when it is
-        sent on. On 2 cores, N=2, that took 64 MiB from 44 to 28 ms: the
-        kernel's copies, most of an allreduce's CPU, ran from cache instead of
-        DRAM. Every slice ends in a wait for the ring's last step, cheap only
-        on a host's own loopback.
+        sent on: the kernel's copies, most of an allreduce's CPU, then run
+        from cache instead of DRAM (measured: ``bench/HISTORY.md``, "Loopback
+        after cache-sized slices"). Every slice ends in a wait for the ring's
+        last step, cheap only on a host's own loopback.
         """
         if self.slice_bytes is not None:
             return self.slice_bytes

@@ -14,9 +14,10 @@ Design.
   package does.
 - Fusion (:mod:`~ringcore.jax.trees`): a pytree's leaves of one dtype are
   packed into one flat buffer and reduced once, so a gradient tree costs one
-  collective per dtype instead of one per leaf (ten 64 KiB leaves, N=2: 1.3
-  against 2.4 ms). Inside ``jax.jit``, leaves of 256 KiB or more go alone,
-  since XLA's packing copies cost them more than it saves.
+  collective per dtype instead of one per leaf. Inside ``jax.jit``, leaves of
+  256 KiB or more go alone, since XLA's packing copies cost them more than it
+  saves (measured: ``bench/HISTORY.md``, "ringcore.jax: one allreduce per
+  dtype").
 - Eager arrays (:mod:`~ringcore.jax.api`, :mod:`~ringcore.jax.host`): jax
   arrays are immutable, and so is any view of one (``np.asarray`` of a CPU
   array, or its DLPack export), so an in-place reduction needs one host copy

@@ -14,10 +14,8 @@ reduction needs anyway (jax arrays are immutable) and the results are views
 of it. Inside ``jax.jit`` it costs two passes over memory (XLA concatenates
 before the callback and slices after it), which small leaves win back and
 large ones do not: there, a leaf of ``TRACED_FUSE_BELOW`` bytes or more
-travels in a buffer of its own (still in the call's one callback). N=2 on
-2 shared cores (best of 3), ten leaves, one allreduce against ten: 64 KiB leaves 1.3 against
-2.4 ms eagerly, 1.4 against 2.6 ms jitted; 1 MiB leaves 11.4 against 12.9 ms
-eagerly, 20.0 against 13.0 ms jitted if they were packed.
+travels in a buffer of its own (still in the call's one callback; measured:
+``bench/HISTORY.md``, "ringcore.jax: one allreduce per dtype, not one per leaf").
 
 Every leaf is checked here, before anything is sent: it must be an array
 (jax or numpy) of a dtype ringcore reduces.

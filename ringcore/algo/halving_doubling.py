@@ -6,8 +6,9 @@ both still hold in two halves, each sends the half it gives up and receives
 the partner's values of the half it keeps into STAGE, then combines them into
 WORK. Step 0 sends from the caller's buffer and receives straight into WORK,
 then adds the caller's values into it in place: no copy of the input, and a
-combine over two buffers instead of three (14% less user CPU per 1 MiB
-allreduce at N=4). After log2(N) steps rank r holds 1/N of the buffer fully
+combine over two buffers instead of three, for less user CPU (measured:
+``bench/HISTORY.md``, "Results written straight into the caller's buffer, in
+lockstep"). After log2(N) steps rank r holds 1/N of the buffer fully
 reduced (the last combine is ``final``: avg divides there, once). Allgather
 by recursive doubling walks the same pairs backwards: each sends what it
 holds and receives the partner's part into WORK, doubling what it holds.
@@ -26,10 +27,11 @@ so all ranks end bit-identical.
 In place. When WORK has the caller's dtype and ``RINGCORE_ATOMIC`` is off
 (the default), the last halving combine writes its result into the caller's
 buffer (a ``commit``) and the doubling steps send from and receive into it:
-no copy of the result out of WORK follows the last step (~10% of the CPU of
-a 1-4 MiB allreduce at N=4). A run that fails after that combine leaves the
-caller's buffer with its own values and final sums, as the in-place ring
-does. Otherwise the result ends in WORK and the plan copies it out after
+no copy of the result out of WORK follows the last step, a pass over the
+whole buffer that was a visible share of a mid-sized allreduce's CPU (the
+same section of ``bench/HISTORY.md``). A run that fails after that combine
+leaves the caller's buffer with its own values and final sums, as the
+in-place ring does. Otherwise the result ends in WORK and the plan copies it out after
 the last step, so a failed run leaves the buffer untouched. An extra always
 gets the result in WORK: its schedule has no other use for WORK, which an
 in-place receive with ``RINGCORE_ATOMIC=1`` would need for its backup.
@@ -48,10 +50,12 @@ and ``doubling`` in the timeline (``fold-in`` and ``fold-out`` with extras).
 Cost per rank: 2 log2(N) steps; 2(N-1)/N of the buffer sent and received
 (as the ring); (N-1)/N of it combined. With extras, 2 log2(P) + 2 steps, and
 a rank with an extra also receives, combines and sends the whole buffer.
-Where it wins: with fewer steps, a rank waits on its peers fewer times; on 2
-cores with 4 or 8 ranks (every wait a context switch) 1.2-4.6x faster than
-the ring from 128 KiB to 4 MiB, with 5-7 ranks 1.4-3.4x up to 1 MiB
-(``bench/RESULTS.md``).
+Where it wins: with fewer steps, a rank waits on its peers fewer times, which
+counts most where every wait is a context switch (more ranks than cores);
+above a few MiB the ring's pipelining wins instead, hence
+``RINGCORE_HALVING_BYTES`` (measured: ``bench/HISTORY.md``, "Halving-doubling
+for mid-sized allreduces" and, on 5-7 ranks, "Halving-doubling on 5, 6, 7...
+ranks").
 """
 
 from __future__ import annotations
@@ -75,10 +79,10 @@ def byte_limit(size: int, halving_bytes: int) -> int:
     """The largest buffer (wire bytes) to use it for: ``halving_bytes``, a quarter of it with extras.
 
     Folding sends the whole buffer twice more over the extra's pair, so it
-    pays for fewer bytes than halving-doubling proper: on 2 cores, 1.4-3.4x
-    faster than the ring at N=5-7 from 128 KiB to 1 MiB, 1.0-1.2x at 2 MiB,
-    0.96-1.0x at 4 MiB; on a link-bound network the pair moves about twice
-    the ring's bytes.
+    pays for fewer bytes than halving-doubling proper: on a crowded host its
+    lead over the ring shrinks with the size and is gone by 4 MiB, and on a
+    link-bound network the pair moves about twice the ring's bytes (measured:
+    ``bench/HISTORY.md``, "Halving-doubling on 5, 6, 7... ranks").
     """
     return halving_bytes if size == _core(size) else halving_bytes // 4
 

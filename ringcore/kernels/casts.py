@@ -1,16 +1,15 @@
 """float32 <-> float16 conversion, the cost centre of fp16 compression.
 
 numpy converts float16 one element at a time (no SIMD path on x86,
-numpy/numpy#28753): 40-70 ms per 16 Mi elements here, against 3-4 ms for
-torch's vectorised (F16C / AVX-512) loop. ringcore never imports torch
-itself (seconds and hundreds of MiB), but when the process already has it,
-as every PyTorch job does, :func:`cast` borrows torch's loop for these two
-conversions. ``RINGCORE_TORCH_CASTS=0`` turns that off.
+numpy/numpy#28753), far slower than torch's vectorised (F16C / AVX-512)
+loop (measured: ``bench/HISTORY.md``, "What limits ringcore here, measured").
+ringcore never imports torch itself (seconds and hundreds of MiB), but when
+the process already has it, as every PyTorch job does, :func:`cast` borrows
+torch's loop for these two conversions. ``RINGCORE_TORCH_CASTS=0`` turns that off.
 
 The copies go in pieces of 16384 elements, below torch's grain size (32768):
 larger ones run on torch's OpenMP pool, whose threads then spin between
-calls and take the cores other ranks need (a 512 KiB segment took 8 ms
-instead of 30 us with two ranks on two cores).
+calls and take the cores other ranks need (measured: the same section).
 
 Both round to nearest, ties to even, and agree bit for bit on every value
 but one: a *signaling* NaN keeps its signaling bit in numpy and comes out
