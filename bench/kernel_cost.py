@@ -14,7 +14,7 @@ receives B bytes per rank cannot use less CPU than B times these costs.
 buffer's pages to a pipe and ``splice`` moves them into the socket, so the
 receiver copies straight out of the sender's pages (loopback delivers the
 same buffers). It is what a zero-copy TCP send could save; ringcore does not
-send this way (bench/RESULTS.md, "Zero-copy sends, tried": the receiver pays
+send this way (bench/HISTORY.md, "Zero-copy sends, tried": the receiver pays
 more than the sender saves). ``--same-cpu`` pins both ends to
 one CPU, where wall time is their CPU summed, as with more ranks than cores.
 """

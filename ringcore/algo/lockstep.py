@@ -19,13 +19,14 @@ signature) to the sender, so a peer that disagrees (e.g. on a broadcast's
 root, and so never receives from this rank) learns of it at once instead of
 both waiting until the timeout. Over TCP a posted receive announces nothing
 (a disagreement shows in the frames themselves, read or peeked), and posting
-early only moves those steps off the latency path (``swap``): a barrier at
-N=4 on 2 cores took 101-124 us on it against 138-173 us posted early.
+early would only move those steps off the latency path (``swap``), which
+made a barrier at N=4 on 2 cores slower (measured: ``bench/HISTORY.md``).
 
 Binding. :func:`bind` resolves a compiled schedule's regions to views once;
 :func:`run_bound` runs bound steps. The executor binds per call; a small
-allreduce bound per array layout (:class:`ringcore.plans.allreduce.AllreducePlan`, its small form) binds once and
-reuses the steps. Waiting goes through the transport's ``exchange`` when it
+allreduce's kept plan (the small form of
+:class:`ringcore.plans.allreduce.AllreducePlan`) binds once and reuses the
+steps. Waiting goes through the transport's ``exchange`` when it
 has one (TCP's latency path), else ``progress``.
 
 Writing the caller's buffer. In-place schedules (halving-doubling, a
