@@ -1,11 +1,10 @@
 """Run a :class:`~ringcore.algo.steps.Schedule` over a transport: the only algo code that does I/O.
 
-Theory of operation. The schedule is compiled once into a :class:`Program`:
-every (step, segment) item with its regions already cut, its sends and
-receives queued per connection in (step, segment) order, the order the
-transport's FIFO matching needs. Programs are cached per transport, so a
-training loop that reduces the same tensors pays the compilation once. Each
-run posts every send and receive as soon as it is allowed:
+Theory of operation. The schedule is compiled once into a
+:class:`~ringcore.algo.program.Program` (every (step, segment) item with its
+regions cut, queued per connection in the order the transport's FIFO
+matching needs; cached per transport). Each run posts every send and receive
+as soon as it is allowed:
 
 * a send of segment k at step s waits until segment k of every earlier step
   has been received and combined (``done_upto[k] >= s``): what it sends is
@@ -47,15 +46,14 @@ an in-place schedule whose WORK cannot hold the backups.
 
 from __future__ import annotations
 
-import dataclasses
-import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from ringcore.algo.steps import Buf, Region, Schedule, Step
+from ringcore.algo.program import Item, Key, Route, compile_program
+from ringcore.algo.steps import Buf, Schedule
 from ringcore.algo.waiting import Watch
 from ringcore.errors import PeerFailure
 from ringcore.kernels.numpy_ops import Reducer
@@ -63,55 +61,7 @@ from ringcore.timeline import Timeline
 from ringcore.transport import wire
 from ringcore.transport.base import Request, Transport
 
-Key = tuple[int, int, int]  # (buffer, first element, end element)
 _USER, _WORK, _STAGE = Buf.USER, Buf.WORK, Buf.STAGE  # plain names: enum attribute access is slow
-Route = tuple[int, int]  # (peer, channel)
-Item = tuple[int, int]  # (step, segment)
-
-
-def _key(region: Region) -> Key:
-    return (int(region.buf), region.start, region.start + region.count)
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """A schedule unrolled for one transport: every item's regions, tag and connection."""
-
-    steps: tuple[Step, ...]
-    segments: int
-    sends: dict[Route, tuple[tuple[int, int, Key, int], ...]]  # (step, segment, source, tag bits)
-    recvs: dict[Route, tuple[tuple[int, int, Key, int], ...]]  # (step, segment, target, tag bits)
-    combines: dict[Item, tuple[Key, Key, Key] | None]
-    items_per_step: tuple[int, ...]
-    step_done: list[list[bool]]  # initial state: steps without a receive are done
-    done_upto: list[int]  # initial state: per segment, how many leading steps are done
-
-
-T = TypeVar("T")
-# transport -> id(schedule) -> (schedule, compiled form); holding the schedule keeps its id unique.
-PerTransport = weakref.WeakKeyDictionary[object, dict[int, tuple[Schedule, T]]]
-_programs: PerTransport[Program] = weakref.WeakKeyDictionary()
-_CACHE_SIZE = 64
-
-
-def cached_per_transport(
-    cache: PerTransport[T],
-    schedule: Schedule,
-    transport: Transport,
-    build: Callable[[Schedule, Transport], T],
-) -> T:
-    """``build(schedule, transport)``, kept per transport and schedule object (at most 64 each).
-
-    The schedule builders are memoized, so repeated collectives of the same
-    shape hit this cache without hashing the schedule.
-    """
-    entries = cache.setdefault(transport, {})
-    entry = entries.get(id(schedule))
-    if entry is None:
-        if len(entries) >= _CACHE_SIZE:
-            entries.pop(next(iter(entries)))
-        entry = entries[id(schedule)] = (schedule, build(schedule, transport))
-    return entry[1]
 
 
 def check_in_place(schedule: Schedule, user: Any, work: Any, atomic: bool) -> None:
@@ -132,53 +82,6 @@ def check_in_place(schedule: Schedule, user: Any, work: Any, atomic: bool) -> No
             f"an in-place schedule with atomic backups needs WORK as long as the caller's buffer "
             f"({work.size} < {user.size} elements)"
         )
-
-
-def compile_program(schedule: Schedule, transport: Transport) -> Program:
-    """Unroll ``schedule`` for ``transport`` (cached, see ``cached_per_transport``)."""
-    return cached_per_transport(_programs, schedule, transport, _unroll)
-
-
-def _unroll(schedule: Schedule, transport: Transport) -> Program:
-    sends: dict[Route, list[tuple[int, int, Key, int]]] = {}
-    recvs: dict[Route, list[tuple[int, int, Key, int]]] = {}
-    combines: dict[Item, tuple[Key, Key, Key] | None] = {}
-    for s, step in enumerate(schedule.steps):
-        for k in range(1) if step.whole else range(schedule.segments):
-
-            def cut(region: Region, step: Step = step, k: int = k) -> Key:
-                return _key(region if step.whole else region.segment(k, schedule.segments))
-
-            bits = wire.make_tag(0, step.phase, k)
-            if step.send is not None:
-                route = (step.send_peer, transport.route(step.send_peer, k))
-                sends.setdefault(route, []).append((s, k, cut(step.send), bits))
-            if step.recv is not None:
-                route = (step.recv_peer, transport.route(step.recv_peer, k))
-                recvs.setdefault(route, []).append((s, k, cut(step.recv), bits))
-                combines[(s, k)] = tuple(cut(r) for r in step.reduce) if step.reduce else None  # type: ignore[assignment]
-    step_done = [[step.recv is None] * schedule.segments for step in schedule.steps]
-    per_step = [0] * len(schedule.steps)
-    for items in (*sends.values(), *recvs.values()):
-        for s, *_ in items:
-            per_step[s] += 1
-    return Program(
-        schedule.steps,
-        schedule.segments,
-        {route: tuple(items) for route, items in sends.items()},
-        {route: tuple(items) for route, items in recvs.items()},
-        combines,
-        tuple(per_step),
-        step_done,
-        [_leading_done(step_done, k) for k in range(schedule.segments)],
-    )
-
-
-def _leading_done(step_done: list[list[bool]], part: int) -> int:
-    upto = 0
-    while upto < len(step_done) and step_done[upto][part]:
-        upto += 1
-    return upto
 
 
 class Executor:

@@ -22,7 +22,8 @@ both waiting until the timeout. Over TCP a posted receive announces nothing
 early would only move those steps off the latency path (``swap``), which
 made a barrier at N=4 on 2 cores slower (measured: ``bench/HISTORY.md``).
 
-Binding. :func:`bind` resolves a compiled schedule's regions to views once;
+Binding. The steps in order are the program's (:attr:`ringcore.algo.program.Program.lockstep`,
+the one compiled form every executor shares); :func:`bind` resolves their regions to views once;
 :func:`run_bound` runs bound steps. The executor binds per call; a small
 allreduce's kept plan (the small form of
 :class:`ringcore.plans.allreduce.AllreducePlan`) binds once and reuses the
@@ -51,81 +52,18 @@ wait on this rank (the chain broadcast's forward and acknowledgement).
 
 from __future__ import annotations
 
-import dataclasses
-import weakref
 from collections.abc import Callable
 
 import numpy as np
 
-from ringcore.algo.execute import PerTransport, cached_per_transport
-from ringcore.algo.steps import Buf, Region, Schedule
+from ringcore.algo.program import Key, Program, compile_program
+from ringcore.algo.steps import Buf, Schedule
 from ringcore.algo.waiting import Watch
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.transport import wire
 from ringcore.transport.base import Request, Transport
 
-Key = tuple[int, int, int]  # (buffer, first element, end element)
-Frame = tuple[int, int, Key]  # (peer, channel, region)
-
 _BUFS = tuple(Buf)  # iterating an Enum class runs Python on every call
-
-
-@dataclasses.dataclass(frozen=True)
-class Compiled:
-    """A schedule's steps with tags, connections and regions worked out once."""
-
-    steps: tuple[tuple[int, Frame | None, Frame | None, tuple[Key, Key, Key] | None, bool], ...]
-    eligible: bool  # one segment
-    writes_user: bool  # some step receives or combines into USER (in place)
-    sends_user: bool  # some step sends straight from USER (needs WORK in the same dtype)
-    touches_user: bool  # some step sends from, receives into or reduces USER
-    early: tuple[int, ...]  # steps whose (empty) receive is posted before the first step
-
-
-_compiled: PerTransport[Compiled] = weakref.WeakKeyDictionary()
-
-
-def compile_steps(schedule: Schedule, transport: Transport) -> Compiled:
-    """Work ``schedule`` out for ``transport``, cached like the Executor's programs."""
-    return cached_per_transport(_compiled, schedule, transport, _compile)
-
-
-def _compile(schedule: Schedule, transport: Transport) -> Compiled:
-    def key(region: Region) -> Key:
-        return (int(region.buf), region.start, region.start + region.count)
-
-    steps: list[tuple[int, Frame | None, Frame | None, tuple[Key, Key, Key] | None, bool]] = []
-    eligible = schedule.segments == 1
-    sends_user = writes_user = False
-    early: list[int] = []
-    announces = getattr(transport, "swap", None) is None  # TCP has a latency path and announces nothing
-    receiving_from: set[tuple[int, int]] = set()  # routes some earlier step receives on
-    for index, step in enumerate(schedule.steps):
-        send = recv = None
-        if step.send is not None:
-            send = (step.send_peer, transport.route(step.send_peer, 0), key(step.send))
-            sends_user = sends_user or step.send.buf == Buf.USER
-        if step.recv is not None:
-            recv = (step.recv_peer, transport.route(step.recv_peer, 0), key(step.recv))
-            writes_user = writes_user or step.recv.buf == Buf.USER
-            if announces and step.recv.count == 0 and recv[:2] not in receiving_from:
-                early.append(index)
-            receiving_from.add(recv[:2])
-        reduce = None
-        if step.reduce is not None:
-            dst, a, b = step.reduce
-            if step.commit:  # without a backup, a commit is a combine into USER
-                dst = dataclasses.replace(dst, buf=Buf.USER)
-                writes_user = True
-            reduce = (key(dst), key(a), key(b))
-        steps.append((wire.make_tag(0, step.phase, 0), send, recv, reduce, step.final))
-    touches_user = writes_user or any(
-        region.buf == Buf.USER
-        for step in schedule.steps
-        for region in (step.send, step.recv, *(step.reduce or ()))
-        if region is not None
-    )
-    return Compiled(tuple(steps), eligible, writes_user, sends_user, touches_user, tuple(early))
 
 
 def fits(
@@ -136,10 +74,10 @@ def fits(
     ``atomic``: the caller's buffer must be restored if the run fails, which
     only the Executor does, so a schedule that writes it is refused.
     """
-    compiled = compile_steps(schedule, transport)
-    if not compiled.eligible or (atomic and compiled.writes_user):
+    program = compile_program(schedule, transport)
+    if program.segments != 1 or (atomic and program.writes_user):
         return False
-    if compiled.sends_user or compiled.writes_user:
+    if program.sends_user or program.writes_user:
         user, work = arrays.get(Buf.USER), arrays.get(Buf.WORK)
         return user is None or work is None or user.dtype == work.dtype
     return True
@@ -149,8 +87,8 @@ Wire = tuple[int, int, memoryview]  # (peer, channel, bytes)
 Bound = tuple[int, Wire | None, Wire | None, tuple[np.ndarray, np.ndarray, np.ndarray] | None, bool, bool]
 
 
-def bind(compiled: Compiled, arrays: dict[Buf, np.ndarray]) -> tuple[Bound, ...]:
-    """``compiled``'s steps with their regions resolved to views of ``arrays``.
+def bind(program: Program, arrays: dict[Buf, np.ndarray]) -> tuple[Bound, ...]:
+    """``program``'s steps in order (:attr:`Program.lockstep`) with their regions resolved to views of ``arrays``.
 
     A step is ``(tag bits, (peer, channel, view) | None, same for the receive,
     (dst, a, b) arrays | None, final, scratch)``; ``scratch`` is False when
@@ -174,7 +112,7 @@ def bind(compiled: Compiled, arrays: dict[Buf, np.ndarray]) -> tuple[Bound, ...]
         return whole[lo * itemsize : hi * itemsize]
 
     bound: list[Bound] = []
-    for tag_bits, send, recv, reduce, final in compiled.steps:
+    for tag_bits, send, recv, reduce, final in program.lockstep:
         wire_send = (send[0], send[1], wire(send[2])) if send else None
         wire_recv = (recv[0], recv[1], wire(recv[2])) if recv else None
         arrays_of = (view(reduce[0]), view(reduce[1]), view(reduce[2])) if reduce else None
@@ -250,7 +188,7 @@ class LockstepExecutor:
         interrupt: Callable[[], str | None] | None = None,
     ) -> None:
         self.transport = transport
-        self.compiled = compile_steps(schedule, transport)
+        self.program = compile_program(schedule, transport)
         self.arrays = arrays
         self.reducer = reducer
         self.seq_bits = (seq & 0xFFFFFFFF) << 32
@@ -262,8 +200,8 @@ class LockstepExecutor:
         """Run every step; on failure, drop whatever is still queued and re-raise."""
         run_bound(
             self.transport,
-            bind(self.compiled, self.arrays),
-            self.compiled.early,
+            bind(self.program, self.arrays),
+            self.program.early,
             self.reducer,
             self.seq_bits,
             self.signature,

@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from ringcore.algo.execute import Executor, Item, Key, Program, Route, check_in_place, compile_program
+from ringcore.algo.execute import Executor, check_in_place
+from ringcore.algo.program import Item, Key, Program, Route, compile_program
 from ringcore.algo.steps import Buf, Schedule
 from ringcore.algo.waiting import Watch
 from ringcore.device.layer import DeviceArray, DeviceLayer, DeviceReducer, Event, Stream

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ringcore.algo import lockstep
+from ringcore.algo.program import Program, compile_program
 from ringcore.algo.steps import Buf, Schedule
 from ringcore.buffers import Buffer, checked_buffer, storage_view
 from ringcore.descriptor import Descriptor
@@ -64,7 +65,7 @@ from ringcore.slicing import allreduce_schedule, buffer_slices, note_failure, sl
 if TYPE_CHECKING:
     from ringcore.context import Context
 
-Piece = tuple[int, int, Schedule, lockstep.Compiled]  # (first element, count, schedule, compiled steps)
+Piece = tuple[int, int, Schedule, Program]  # (first element, count, schedule, its program)
 
 
 class AllreducePlan:
@@ -120,19 +121,19 @@ class AllreducePlan:
         itemsize = reducer.wire_dtype.itemsize
         schedule = allreduce_schedule(ctx, count, itemsize, reducer.wire_dtype == self.dtype.storage)
         views = {buf: np.empty(count, reducer.wire_dtype) for buf in (*schedule.scratch, Buf.WORK)}
-        compiled = lockstep.compile_steps(schedule, ctx.transport)
+        program = compile_program(schedule, ctx.transport)
         result = schedule.result
         if (
             count > max(1, ctx.allreduce_slice_bytes // itemsize)  # sliced (never at default sizes)
             or not lockstep.fits(schedule, ctx.transport, views)
-            or compiled.touches_user
+            or program.touches_user
             or not schedule.prefill_work
             or result is None
             or (result.buf, result.start, result.count) != (Buf.WORK, 0, count)
         ):
             return False
-        self.reducer, self._work, self._early = reducer, views[Buf.WORK], compiled.early
-        self._steps = lockstep.bind(compiled, views)
+        self.reducer, self._work, self._early = reducer, views[Buf.WORK], program.early
+        self._steps = lockstep.bind(program, views)
         return True
 
     def _compile_in_place(self) -> bool:
@@ -149,7 +150,7 @@ class AllreducePlan:
             schedule = allreduce_schedule(ctx, count, itemsize, True, sliced=len(bounds) > 1)
             if not self._runs_in_place(schedule, count, reducer):
                 return False
-            pieces.append((start, count, schedule, lockstep.compile_steps(schedule, ctx.transport)))
+            pieces.append((start, count, schedule, compile_program(schedule, ctx.transport)))
         self.reducer, self._pieces = reducer, tuple(pieces)
         return True
 
@@ -182,15 +183,15 @@ class AllreducePlan:
     def _run_in_place(self, obj: Any, seq: int) -> None:
         flat = storage_view(obj, self.dtype)
         ctx, wire_dtype, atomic = self.ctx, self.reducer.wire_dtype, self.ctx.settings.atomic
-        for part, (start, count, schedule, compiled) in enumerate(self._pieces):
+        for part, (start, count, schedule, program) in enumerate(self._pieces):
             arrays = {
                 **ctx.scratch_views(schedule.scratch, count, wire_dtype),
                 Buf.USER: flat[start : start + count],
             }
             try:
                 try:
-                    steps = lockstep.bind(compiled, arrays)
-                    run_steps(ctx, steps, compiled.early, self.reducer, seq, self.signature, part)
+                    steps = lockstep.bind(program, arrays)
+                    run_steps(ctx, steps, program.early, self.reducer, seq, self.signature, part)
                 except BaseException as err:
                     ctx.fail(Descriptor("allreduce", seq, *self.fields), err)
             except BaseException as err:

@@ -14,6 +14,7 @@ import numpy as np
 
 from ringcore.algo import broadcast as chain
 from ringcore.algo import lockstep
+from ringcore.algo.program import compile_program
 from ringcore.algo.steps import Buf
 from ringcore.buffers import DTYPES
 from ringcore.descriptor import Descriptor
@@ -52,7 +53,7 @@ class BarrierPlan:
     def _bind(self) -> None:
         ctx = self.ctx
         assert ctx.transport is not None
-        compiled = lockstep.compile_steps(chain.barrier(ctx.rank, ctx.size), ctx.transport)
-        self._steps = lockstep.bind(compiled, {Buf.WORK: np.empty(0, np.uint8)})
-        self._early = compiled.early
+        program = compile_program(chain.barrier(ctx.rank, ctx.size), ctx.transport)
+        self._steps = lockstep.bind(program, {Buf.WORK: np.empty(0, np.uint8)})
+        self._early = program.early
         self._reducer = ctx.reducer(DTYPES["uint8"], ReduceOp.SUM, Compression.NONE)

@@ -1,7 +1,7 @@
 """Schedules checked in memory by ``simulate``: pairing, data flow, and the chunk / segment math.
 
 No transport here: every rank's steps are played against each other by
-``ringcore.algo.simulate`` and the results compared with numpy. World sizes
+``tests.simulate`` and the results compared with numpy. World sizes
 1..13 (odd sizes, non-powers of two) and counts 0, 1, 2, N-1, 64, 1000 and a
 prime, as Gloo's tests do.
 """
@@ -16,12 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringcore.algo import broadcast as chain
-from ringcore.algo import halving_doubling, recursive_doubling, ring, simulate
-from ringcore.algo.simulate import ScheduleError
+from ringcore.algo import halving_doubling, recursive_doubling, ring
 from ringcore.algo.steps import Buf, Region, Schedule, Step, chunk_bounds, segment_count, split_bounds
 from ringcore.buffers import DTYPES
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
+from tests import simulate
+from tests.simulate import ScheduleError
 
 SIZES = range(2, 14)
 PRIME = 997

@@ -1,0 +1,171 @@
+"""A schedule compiled for one transport: the one form every executor runs.
+
+A :class:`~ringcore.algo.steps.Schedule` says what moves where; a
+:class:`Program` adds what a transport needs to move it: every (step,
+segment) item with its regions cut, its tag bits and its connection, queued
+per connection in (step, segment) order (the order the transport's FIFO
+matching needs), the combines, and the initial readiness state. The
+pipelined executors (:class:`~ringcore.algo.execute.Executor`, the staged GPU
+one) run those queues. A one-segment program also carries its steps in order
+(:attr:`Program.lockstep`), which :mod:`ringcore.algo.lockstep` runs one at a
+time, with the same tags, connections and regions, so a rank running either
+executor agrees with its peers.
+
+Programs are cached per transport and schedule object (:func:`compile_program`;
+the schedule builders are memoized), so a training loop that reduces the same
+tensors compiles each schedule once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+from ringcore.algo.steps import Buf, Region, Schedule, Step
+from ringcore.transport import wire
+from ringcore.transport.base import Transport
+
+Key = tuple[int, int, int]  # (buffer, first element, end element)
+Route = tuple[int, int]  # (peer, channel)
+Item = tuple[int, int]  # (step, segment)
+Frame = tuple[int, int, Key]  # (peer, channel, region)
+LockstepStep = tuple[
+    int, Frame | None, Frame | None, tuple[Key, Key, Key] | None, bool
+]  # tag, send, recv, reduce, final
+
+
+def _key(region: Region) -> Key:
+    return (int(region.buf), region.start, region.start + region.count)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A schedule compiled for one transport (see the module docstring)."""
+
+    steps: tuple[Step, ...]
+    segments: int
+    sends: dict[Route, tuple[tuple[int, int, Key, int], ...]]  # (step, segment, source, tag bits)
+    recvs: dict[Route, tuple[tuple[int, int, Key, int], ...]]  # (step, segment, target, tag bits)
+    combines: dict[Item, tuple[Key, Key, Key] | None]
+    items_per_step: tuple[int, ...]
+    step_done: list[list[bool]]  # initial state: steps without a receive are done
+    done_upto: list[int]  # initial state: per segment, how many leading steps are done
+    lockstep: tuple[LockstepStep, ...]  # one segment: the steps in order (a commit combines into USER)
+    writes_user: bool  # some step receives or commits into USER (in place)
+    sends_user: bool  # some step sends straight from USER (needs WORK in the same dtype)
+    touches_user: bool  # some step sends from, receives into or reduces USER
+    early: tuple[int, ...]  # lockstep: steps whose (empty) receive is posted before the first step
+
+
+_programs: weakref.WeakKeyDictionary[object, dict[int, tuple[Schedule, Program]]] = (
+    weakref.WeakKeyDictionary()
+)
+_CACHE_SIZE = 64  # programs kept per transport
+
+
+def compile_program(schedule: Schedule, transport: Transport) -> Program:
+    """``schedule`` compiled for ``transport``, kept per transport and schedule object (64 each).
+
+    The entry holds the schedule, so its id stays unique while kept.
+    """
+    entries = _programs.setdefault(transport, {})
+    entry = entries.get(id(schedule))
+    if entry is None:
+        if len(entries) >= _CACHE_SIZE:
+            entries.pop(next(iter(entries)))
+        entry = entries[id(schedule)] = (schedule, _compile(schedule, transport))
+    return entry[1]
+
+
+def _compile(schedule: Schedule, transport: Transport) -> Program:
+    sends: dict[Route, list[tuple[int, int, Key, int]]] = {}
+    recvs: dict[Route, list[tuple[int, int, Key, int]]] = {}
+    combines: dict[Item, tuple[Key, Key, Key] | None] = {}
+    for s, step in enumerate(schedule.steps):
+        for k in range(1) if step.whole else range(schedule.segments):
+
+            def cut(region: Region, step: Step = step, k: int = k) -> Key:
+                return _key(region if step.whole else region.segment(k, schedule.segments))
+
+            bits = wire.make_tag(0, step.phase, k)
+            if step.send is not None:
+                route = (step.send_peer, transport.route(step.send_peer, k))
+                sends.setdefault(route, []).append((s, k, cut(step.send), bits))
+            if step.recv is not None:
+                route = (step.recv_peer, transport.route(step.recv_peer, k))
+                recvs.setdefault(route, []).append((s, k, cut(step.recv), bits))
+                combines[(s, k)] = tuple(cut(r) for r in step.reduce) if step.reduce else None  # type: ignore[assignment]
+    step_done = [[step.recv is None] * schedule.segments for step in schedule.steps]
+    per_step = [0] * len(schedule.steps)
+    for items in (*sends.values(), *recvs.values()):
+        for s, *_ in items:
+            per_step[s] += 1
+    lockstep, writes_user, early = _in_order(schedule, transport)
+    return Program(
+        schedule.steps,
+        schedule.segments,
+        {route: tuple(items) for route, items in sends.items()},
+        {route: tuple(items) for route, items in recvs.items()},
+        combines,
+        tuple(per_step),
+        step_done,
+        [leading_done(step_done, k) for k in range(schedule.segments)],
+        lockstep,
+        writes_user,
+        sends_user=any(step.send is not None and step.send.buf == Buf.USER for step in schedule.steps),
+        touches_user=writes_user
+        or any(
+            region.buf == Buf.USER
+            for step in schedule.steps
+            for region in (step.send, step.recv, *(step.reduce or ()))
+            if region is not None
+        ),
+        early=early,
+    )
+
+
+def _in_order(
+    schedule: Schedule, transport: Transport
+) -> tuple[tuple[LockstepStep, ...], bool, tuple[int, ...]]:
+    """The one-segment steps in order (empty for a pipelined schedule), whether they write USER, early receives.
+
+    A ``commit`` combine without backups writes USER directly. Over a
+    transport whose posted receives announce themselves (RDMA; TCP has a
+    latency path, ``swap``, and announces nothing), an empty receive that is
+    first on its connection is posted before the first step, as the
+    Executor posts it (see :mod:`ringcore.algo.lockstep`).
+    """
+    writes_user = False
+    steps: list[LockstepStep] = []
+    early: list[int] = []
+    announces = getattr(transport, "swap", None) is None
+    receiving_from: set[tuple[int, int]] = set()  # routes some earlier step receives on
+    for index, step in enumerate(schedule.steps):
+        send = recv = None
+        if step.send is not None:
+            send = (step.send_peer, transport.route(step.send_peer, 0), _key(step.send))
+        if step.recv is not None:
+            recv = (step.recv_peer, transport.route(step.recv_peer, 0), _key(step.recv))
+            writes_user = writes_user or step.recv.buf == Buf.USER
+            if announces and step.recv.count == 0 and recv[:2] not in receiving_from:
+                early.append(index)
+            receiving_from.add(recv[:2])
+        reduce = None
+        if step.reduce is not None:
+            dst, a, b = step.reduce
+            if step.commit:  # without a backup, a commit is a combine into USER
+                dst = dataclasses.replace(dst, buf=Buf.USER)
+                writes_user = True
+            reduce = (_key(dst), _key(a), _key(b))
+        steps.append((wire.make_tag(0, step.phase, 0), send, recv, reduce, step.final))
+    if schedule.segments != 1:
+        return (), writes_user, ()
+    return tuple(steps), writes_user, tuple(early)
+
+
+def leading_done(step_done: list[list[bool]], part: int) -> int:
+    """How many leading steps of segment ``part`` are done."""
+    upto = 0
+    while upto < len(step_done) and step_done[upto][part]:
+        upto += 1
+    return upto
