@@ -118,9 +118,12 @@ class Context:
     def scratch_views(self, bufs: tuple[Buf, ...], count: int, wire_dtype: np.dtype) -> dict[Buf, np.ndarray]:
         """Views of ``count`` elements of each pool in ``bufs`` (WORK always present); do not modify the dict."""
         key = (bufs, count, wire_dtype)
-        views = self._views.get(key)
+        views = self._views.pop(key, None)  # kept least recently used first, as every cache here
         if views is None:
-            views = self._views[key] = self._make_views(bufs, count, wire_dtype)
+            views = self._make_views(bufs, count, wire_dtype)
+            if len(self._views) >= _VIEW_CACHE:
+                del self._views[next(iter(self._views))]
+        self._views[key] = views
         return views
 
     def _make_views(self, bufs: tuple[Buf, ...], count: int, wire_dtype: np.dtype) -> dict[Buf, np.ndarray]:
@@ -134,8 +137,6 @@ class Context:
             views[buf] = pool[:nbytes].view(wire_dtype)
         if Buf.WORK not in views:
             views[Buf.WORK] = np.empty(0, wire_dtype)
-        if len(self._views) >= _VIEW_CACHE:
-            self._views.clear()
         return views
 
     def execute(

@@ -64,16 +64,17 @@ _CACHE_SIZE = 64  # programs kept per transport
 
 
 def compile_program(schedule: Schedule, transport: Transport) -> Program:
-    """``schedule`` compiled for ``transport``, kept per transport and schedule object (64 each).
+    """``schedule`` compiled for ``transport``, kept per transport and schedule object (64 each, LRU).
 
     The entry holds the schedule, so its id stays unique while kept.
     """
     entries = _programs.setdefault(transport, {})
-    entry = entries.get(id(schedule))
+    entry = entries.pop(id(schedule), None)  # least recently used first, as every cache here
     if entry is None:
         if len(entries) >= _CACHE_SIZE:
-            entries.pop(next(iter(entries)))
-        entry = entries[id(schedule)] = (schedule, _compile(schedule, transport))
+            del entries[next(iter(entries))]
+        entry = (schedule, _compile(schedule, transport))
+    entries[id(schedule)] = entry
     return entry[1]
 
 
