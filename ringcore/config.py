@@ -74,7 +74,7 @@ class Settings:
     ib_port: int = 1
     ib_gid_index: int | None = None
     fusion_threshold: int = 8 * MIB  # ringcore.torch: bytes of small gradients packed into one allreduce
-    plan_cache_bytes: int = 32 * MIB  # scratch remembered small allreduce layouts may keep, in all
+    plan_cache_bytes: int = 32 * MIB  # scratch kept allreduce plans may hold for themselves, in all
     elastic_worker: int | None = None  # set by an elastic ringcore-run: this worker's number
 
     @classmethod
