@@ -31,20 +31,10 @@ newcomer); newcomers that are waiting by then join it. Bounds, all
   nothing can add workers (no discovery script), else after that long,
   naming the first failure: never a deadlock.
 
-Workers are placed on the hosts' slots (``-H``, ``--hostfile``, this host
-with ``-np`` slots, or what the discovery script prints, re-read every
-second), never more than ``--max-np`` at once; those on other hosts start
-over ssh as ranks do (:mod:`ringcore.remote`), and reach the store at
-``--addr``, which must then be an address of this machine they can reach.
-Without a discovery script a lost worker is not replaced. A host where a worker failed gets no new
-worker for ``--failure-cooldown`` s, doubled for each further failure
-there, so a crashing host cannot make the world restart in a loop.
-
-The driver starts, watches and stops workers through a :class:`Pool`:
-``ringcore-run``'s is its :class:`~ringcore.processes.Job` (processes,
-signals, exit codes); ``ringcore.ray``'s elastic executor passes Ray actors
-and a ``room`` callable (how many more workers Ray can place now), which,
-like a discovery script, makes the driver replace lost workers.
+Where workers go (the hosts' slots, the discovery script, cooldowns after
+a failure) is :mod:`ringcore.elastic_seats`. The driver starts, watches and
+stops workers through a :class:`~ringcore.elastic_workers.Pool`: ``ringcore-run``'s
+processes or ``ringcore.ray``'s actors (:mod:`ringcore.elastic_workers`).
 
 The job succeeds (exit 0) when every member of the last generation exits
 0; a worker that exits 0 ends the job's growth (workers still waiting to
@@ -54,78 +44,21 @@ worker's code, as the fixed launcher does with the first failing rank's.
 
 from __future__ import annotations
 
-import dataclasses
 import signal
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
 
 from ringcore import discovery, hosts
 from ringcore.config import Settings
 from ringcore.elastic_protocol import BROKEN, ENDED, WORKER_VARIABLE, answer_key, ready_key
+from ringcore.elastic_seats import Discoverer, excess, plan_seats
+from ringcore.elastic_workers import ElasticOptions, Failure, Messages, Pool, StartWorker, Worker
 from ringcore.processes import POLL_SECONDS, LaunchError, SignalCatcher, stopped_suffix
 from ringcore.store import StoreClient, StoreServer, tls_contexts
 
 EXIT_TIMEOUT = 124
 MAX_COOLDOWN = 3600.0
 
-
-@dataclasses.dataclass(frozen=True)
-class ElasticOptions:
-    """The elastic part of ``ringcore-run``'s command line.
-
-    Attributes:
-        min_np: Fewest workers the job runs with (``--min-np``).
-        max_np: Most workers at once (``--max-np``); ``None``: as many as the hosts have slots.
-        discovery: ``--host-discovery-script``: a shell command printing ``host:slots`` lines.
-        timeout: ``--elastic-timeout``: seconds of every bound the driver keeps (see the module docstring).
-        cooldown: ``--failure-cooldown``: seconds a host gets no new worker after one failed there.
-    """
-
-    min_np: int
-    max_np: int | None
-    discovery: str | None = None
-    timeout: float = 60.0
-    cooldown: float = 10.0
-
-
-@dataclasses.dataclass
-class Worker:
-    """One worker process, as the driver sees it.
-
-    Attributes:
-        seat: Its host and slot there (``seat.rank`` is the worker's number).
-        started: When it was started (``time.monotonic()``).
-        joined: Whether it was ever a member of a generation.
-        ready: Its last check-in's number (0: none yet); it waits while ``ready > answered``.
-        answered: The last check-in the driver answered.
-        kill_at: Set once the driver stopped it: when SIGKILL follows SIGTERM.
-    """
-
-    seat: hosts.Slot
-    started: float
-    joined: bool = False
-    ready: int = 0
-    answered: int = 0
-    kill_at: float | None = None
-
-    @property
-    def waiting(self) -> bool:
-        return self.ready > self.answered
-
-
-@dataclasses.dataclass(frozen=True)
-class Failure:
-    """A worker that failed: how, in words, and the launcher's exit code for it."""
-
-    worker: int
-    how: str
-    code: int
-
-
-# A worker's environment beyond the job's (RINGCORE_ELASTIC_WORKER...), and where it runs -> its number.
-StartWorker = Callable[[hosts.Slot, dict[str, str]], int]
 
 # How messages name the bounds (ringcore-run's flags; ringcore.ray names its arguments), and what to
 # ask about a worker that never checked in.
@@ -135,74 +68,6 @@ FLAGS = {
     "timeout": "--timeout",
     "no_check_in": "does the script use ringcore.elastic (imported before ringcore.init())?",
 }
-
-
-class Messages(Protocol):
-    """Where the driver's messages go (``ringcore-run``'s :class:`~ringcore.processes.Sink`)."""
-
-    def message(self, text: str) -> None: ...
-
-
-class Pool(Protocol):
-    """The workers' processes as the driver sees them; :class:`~ringcore.processes.Job` is one.
-
-    Workers are numbered in start order (the driver's :data:`StartWorker` adds them).
-    A worker *exits* once, with a return code: 0 when its function returned.
-    """
-
-    exits: dict[int, int]  # worker -> return code, once seen to exit
-
-    @property
-    def sink(self) -> Messages: ...
-
-    def collect(self, timeout: float) -> list[tuple[int, int]]:
-        """Wait up to ``timeout`` s for exits; the new ``(worker, returncode)`` pairs.
-
-        An exception raised here ends the job: it leaves :meth:`Driver.run`, which closes the store.
-        """
-        ...
-
-    def running(self) -> list[int]:
-        """Workers not yet seen to exit."""
-        ...
-
-    def send(self, workers: Sequence[int], signum: int) -> None:
-        """Stop ``workers``: SIGTERM first, SIGKILL after the grace (a pool may stop at once)."""
-        ...
-
-    def stop(self, grace: float) -> list[int]:
-        """Stop every worker still running; return those workers."""
-        ...
-
-    def describe(self, worker: int, returncode: int) -> tuple[str, int]:
-        """How ``worker`` ended, in words, and the driver's exit code for it."""
-        ...
-
-
-def plan_seats(
-    listing: Sequence[hosts.Host], taken: dict[str, set[int]], cooling: set[str], room: int
-) -> list[tuple[str, int, int]]:
-    """Free slots to start workers on, host by host in listed order: ``(host, slot, host's slots)``.
-
-    Args:
-        listing: The hosts and their slots.
-        taken: Slots in use, per host name.
-        cooling: Hosts that get no new worker now.
-        room: How many workers may still start (``--max-np`` less those running).
-    """
-    seats: list[tuple[str, int, int]] = []
-    for host in listing:
-        if host.name in cooling:
-            continue
-        used = taken.get(host.name, set())
-        seats += [(host.name, slot, host.slots) for slot in range(host.slots) if slot not in used]
-    return seats[: max(0, room)]
-
-
-def excess(seats: dict[int, hosts.Slot], listing: Sequence[hosts.Host]) -> set[int]:
-    """Workers on slots the listing no longer has (their host left it, or lost slots)."""
-    slots = {host.name: host.slots for host in listing}
-    return {number for number, seat in seats.items() if seat.local_rank >= slots.get(seat.host, 0)}
 
 
 def serve_store(addr: str, port: int, key: bytes, settings: Settings) -> tuple[StoreServer, StoreClient]:
@@ -272,7 +137,7 @@ class Driver:
         self.below_since: float | None = None
         self.cooling: dict[str, tuple[float, int]] = {}  # host -> (until, failures there)
         self._local: dict[str, bool] = {}
-        self._discoverer = _Discoverer(options.discovery) if options.discovery else None
+        self._discoverer = Discoverer(options.discovery) if options.discovery else None
         self._room = room
         self.flags = {**FLAGS, **(flags or {})}
 
@@ -545,40 +410,3 @@ class Driver:
         self.rendezvous_since = self.below_since = None
         listed = ", ".join(map(str, chosen))
         self.sink.message(f"generation {self.generation}: {len(chosen)} ranks (workers {listed})")
-
-
-class _Discoverer:
-    """Runs the discovery script every :data:`ringcore.discovery.INTERVAL` s on a thread of its own."""
-
-    def __init__(self, script: str) -> None:
-        self.script = script
-        self._lock = threading.Lock()
-        self._listing: list[hosts.Host] | None = None
-        self._error: str | None = None
-        self._last_error: str | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="ringcore-discovery", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def take(self) -> tuple[list[hosts.Host] | None, str | None]:
-        """The newest listing and a new error message, each once (``None``: nothing new)."""
-        with self._lock:
-            found, self._listing, error, self._error = self._listing, None, self._error, None
-        return found, error
-
-    def _loop(self) -> None:
-        while not self._stop.wait(discovery.INTERVAL):
-            try:
-                listing = discovery.discover(self.script)
-            except discovery.DiscoveryError as err:
-                with self._lock:
-                    if str(err) != self._last_error:
-                        self._error = self._last_error = str(err)
-                continue
-            with self._lock:
-                self._listing, self._last_error = listing, None
