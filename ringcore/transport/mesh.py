@@ -28,7 +28,8 @@ from ringcore import auth
 from ringcore.errors import AuthenticationError, CollectiveTimeout, ConfigError, PeerFailure
 from ringcore.sockets import connect_retry, fmt, recv_exact, size_buffers
 from ringcore.transport import wire
-from ringcore.transport.tcp import TcpTransport, _Conn, needed_links
+from ringcore.transport.tcp import TcpTransport, needed_links
+from ringcore.transport.tcp_connection import _Conn
 
 log = logging.getLogger("ringcore")
 

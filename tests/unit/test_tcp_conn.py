@@ -17,7 +17,7 @@ import pytest
 from ringcore.errors import PeerFailure
 from ringcore.transport import wire
 from ringcore.transport.base import PeerAborted, Request
-from ringcore.transport.tcp import _Conn, _Send
+from ringcore.transport.tcp_connection import _Conn, _Send
 
 pytestmark = pytest.mark.timeout(30)
 
