@@ -26,18 +26,9 @@ without progress); any other value replaces it for this group.
 
 Launchers. ``env://`` needs ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` before this backend is ever called. torchrun and ringcore-run
-set them. Under mpirun or srun, :func:`register` (run by ``import
-ringcore.torch``) sets each one that is missing (``os.environ.setdefault``,
-as DeepSpeed does) when ``RANK`` and ``WORLD_SIZE`` are both absent and
-``OMPI_COMM_WORLD_RANK`` or ``SLURM_PROCID`` is present: rank, size, local
-rank and size, and ``MASTER_ADDR`` as ringcore's own discovery finds them
-(loopback on one host; ``RINGCORE_ADDR`` or ``MASTER_ADDR`` across hosts),
-and ``MASTER_PORT`` one below the port ringcore's store would use (derived
-from the job id, or ``RINGCORE_PORT``). ringcore's rule for torchrun's
-variables puts its store on ``MASTER_PORT + 1``, so a later ``ringcore.init()``
-still meets on that same port, and torch's store never takes it. Across hosts
-with no address to meet at, nothing is set and a warning says why (torch then
-asks for ``MASTER_ADDR``).
+set them; under mpirun or srun, :func:`register` (run by ``import
+ringcore.torch``) fills in those missing from the launcher's own variables
+(:mod:`ringcore.torch.launcher_env`).
 
 Collectives. Implemented: ``all_reduce`` (SUM, AVG, PRODUCT, MIN, MAX),
 ``all_reduce_coalesced``, ``broadcast``, ``all_gather``,
@@ -52,19 +43,9 @@ way collectives run in call order, as ringcore orders them, so ranks must
 call them in the same order, as with NCCL.
 
 Work and errors. Arguments ringcore rejects raise ``TypeError``/``ValueError``
-at the call. A failure between ranks (``PeerFailure``, ``CollectiveTimeout``,
-``MismatchError``, ``CommunicatorClosed``) is raised by ``work.wait()`` (so by
-every blocking call) with its own type. ``work.get_future()`` fails with a
-``RuntimeError`` carrying the same message: DDP raises that from
-``backward()``, and the error itself from the collectives it waits for in ``forward()``.
-``wait(timeout)`` raises ``TimeoutError`` when the collective is
-not done in time (it goes on; ``RINGCORE_TIMEOUT`` bounds it). Work objects
-subclass ``torch.distributed.Work`` rather than wrapping a future with
-``_create_work_from_future``, whose ``wait()`` returns True even when the
-future failed.
-
-Futures complete on ringcore's async thread, which runs their ``then``
-callbacks: those must not wait for another collective.
+at the call. A failure between ranks is raised by ``work.wait()`` with its own
+type, and fails ``work.get_future()`` with a ``RuntimeError``; futures complete
+on ringcore's async thread (:mod:`ringcore.torch.work`).
 
 Tensors: CPU tensors are reduced in place without a copy (DLPack); a
 non-contiguous tensor goes through a contiguous copy. CUDA tensors take
@@ -74,11 +55,9 @@ registered for ``devices=["cpu"]``.
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 import weakref
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -87,15 +66,14 @@ import torch
 import torch.distributed as dist
 
 import ringcore
-from ringcore.comm import Communicator, Handle
-from ringcore.config import Settings
-from ringcore.errors import ConfigError, RingcoreError
-from ringcore.rendezvous import discover
+from ringcore.comm import Communicator
+from ringcore.errors import RingcoreError
+from ringcore.torch.launcher_env import export_launcher_env
+from ringcore.torch.work import RingcoreWork
 
 __all__ = ["BACKEND", "RingcoreProcessGroup", "RingcoreWork", "communicator", "register", "ringcore_group"]
 
 BACKEND = "ringcore"
-log = logging.getLogger("ringcore")
 
 _IMPLEMENTED = (
     "all_reduce, all_reduce_coalesced, broadcast, all_gather, all_gather_single (all_gather_into_tensor), "
@@ -123,38 +101,6 @@ def register() -> None:
     export_launcher_env()
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
-
-
-def export_launcher_env(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Set torch's ``RANK``... ``MASTER_PORT`` from mpirun's or srun's variables, where missing.
-
-    Args:
-        env: the environment to fill (default ``os.environ``).
-
-    Returns:
-        The variables it set (empty when it left ``env`` alone).
-    """
-    env = os.environ if env is None else env
-    if "RANK" in env or "WORLD_SIZE" in env:
-        return {}
-    if "OMPI_COMM_WORLD_RANK" not in env and "SLURM_PROCID" not in env:
-        return {}
-    try:
-        world = discover(Settings.from_env(env), env)
-    except ConfigError as err:  # torch's own error about MASTER_ADDR follows; say why here
-        log.warning("ringcore.torch: torch's RANK/MASTER_* not set from the launcher: %s", err)
-        return {}
-    values = {
-        "RANK": world.rank,
-        "WORLD_SIZE": world.size,
-        "LOCAL_RANK": world.local_rank,
-        "LOCAL_WORLD_SIZE": world.local_size,
-        "MASTER_ADDR": world.addr,
-        "MASTER_PORT": world.port - 1 if world.port > 1 else None,  # ringcore's store: MASTER_PORT + 1
-    }
-    added = {name: str(value) for name, value in values.items() if value is not None and name not in env}
-    env.update(added)
-    return added
 
 
 def _create(store: dist.Store, rank: int, size: int, timeout: timedelta | None) -> RingcoreProcessGroup:
@@ -198,79 +144,6 @@ def ringcore_group(group: dist.ProcessGroup | None = None) -> RingcoreProcessGro
 def communicator(group: dist.ProcessGroup | None = None) -> Communicator:
     """The ringcore Communicator behind ``group`` (default: the default group); see :func:`ringcore_group`."""
     return ringcore_group(group).comm
-
-
-# --------------------------------------------------------------------------- work
-
-
-class RingcoreWork(dist.Work):
-    """The Work of one collective: ``wait()``, ``get_future()``, done once ringcore finishes it.
-
-    Args:
-        call: the collective, for messages (``"all_reduce"``).
-        value: what the future yields on success (torch's convention: the output tensors).
-    """
-
-    def __init__(self, call: str, value: Any) -> None:
-        super().__init__()
-        self._call, self._value = call, value
-        self._event = threading.Event()
-        self._error: BaseException | None = None
-        self._trigger: torch.futures.Future[None] = torch.futures.Future()
-        # A ``then`` callback that raises is the only way Python can fail a future
-        # for C++ readers (DDP); ``Future.set_exception`` stores a value.
-        self._future = self._trigger.then(self._outcome)
-
-    def finish(self, error: BaseException | None = None, after: Callable[[], None] | None = None) -> None:
-        """Mark the collective done; run ``after`` (e.g. copy results out) first when it succeeded."""
-        if error is None and after is not None:
-            try:
-                after()
-            except Exception as err:
-                error = err
-        self._error = error
-        self._event.set()
-        self._trigger.set_result(None)
-
-    def follow(self, handle: Handle, after: Callable[[], None] | None = None) -> RingcoreWork:
-        """Finish when ringcore's ``handle`` does (on ringcore's async thread); returns self."""
-        handle.add_done_callback(lambda done: self.finish(done.exception(), after))
-        return self
-
-    def _outcome(self, _: torch.futures.Future[None]) -> Any:
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block until done; raise the collective's error (``PeerFailure``...) if it failed.
-
-        Raises:
-            TimeoutError: not done within ``timeout`` (zero or None: no limit); the collective goes on.
-        """
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        if not self._event.wait(seconds or None):
-            raise TimeoutError(f"ringcore backend: {self._call} not finished after {seconds:g} s")
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        """A future of the output tensors; it fails (``RuntimeError``, same message) when the collective does."""
-        return self._future
-
-    def is_completed(self) -> bool:
-        return self._event.is_set()
-
-    def is_success(self) -> bool:
-        return self._event.is_set() and self._error is None
-
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def result(self) -> Any:
-        self.wait()
-        return self._value
 
 
 # --------------------------------------------------------------------------- tensors
