@@ -1,6 +1,6 @@
 """The Context: what plans and executors run with, made by the Communicator and handed down.
 
-A plan (:mod:`ringcore.plans`, :mod:`ringcore.device.plans`) receives the Context, never the Communicator: it
+A plan (:mod:`ringcore.plans`) receives the Context, never the Communicator: it
 holds the transport, the settings, the scratch pools and reducers kept between
 collectives, the device resources, the timeline and the stall inspector, and
 runs schedules (:meth:`Context.execute`: the executor is chosen here, once).

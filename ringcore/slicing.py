@@ -5,7 +5,7 @@ reduces, so an allreduce or broadcast of more than ``RINGCORE_SLICE_BYTES``
 runs as a sequence of complete collectives over equal slices
 (:func:`slice_bounds`, tags numbered by slice), which bounds scratch memory
 by the slice. Host and GPU plans (:mod:`ringcore.plans`,
-:mod:`ringcore.device.plans`) take the same slices and the same schedule for
+:mod:`ringcore.plans.device`) take the same slices and the same schedule for
 each (:func:`allreduce_schedule`), so host and GPU ranks share a ring at
 every size. A failure in slice k leaves the slices before it reduced and
 those after it untouched, and the error's note says so (:func:`note_failure`).

@@ -24,7 +24,8 @@ Modules: :mod:`~ringcore.device.layer` (the interface to a device runtime),
 :mod:`~ringcore.device.cupy_layer` (CuPy, the real one),
 :mod:`~ringcore.device.fake` (numpy with deferred streams, for tests),
 :mod:`~ringcore.device.staging` (the staged executor),
-:mod:`~ringcore.device.plans` (allreduce and broadcast on device buffers).
+:mod:`~ringcore.device.resources` (streams, slots and scratch kept per communicator).
+The plans for device buffers are :mod:`ringcore.plans.device`.
 
 Nothing here imports CuPy until a GPU buffer reaches a collective.
 """

@@ -14,4 +14,9 @@ alike. An allreduce of a numpy layout keeps its plan between calls
 (:class:`~ringcore.plans.allreduce.AllreducePlan`, remembered by
 :class:`~ringcore.plans.cache.PlanCache`); other collectives make a plan per
 call (:class:`~ringcore.plans.base.CallPlan`).
+
+Files: ``base.py`` (what a plan is; the runner of bound steps), ``validate.py``
+(argument checks), ``allreduce.py``, ``broadcast.py``, ``gather.py`` (allgather,
+reduce_scatter), ``barrier.py``, ``device.py`` (allreduce and broadcast of GPU
+buffers, in the host plans' slices), ``cache.py`` (the allreduce plan cache).
 """

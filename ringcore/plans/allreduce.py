@@ -28,7 +28,7 @@ does) and picks its form, here and nowhere else; later calls only run it:
 - ``general``: everything else (fp16 compression, the pipelined ring, a
   timeline, GPU buffers, one-call plans): per slice, the schedule, scratch
   arrays and :meth:`Context.execute`, which picks the executor; GPU buffers
-  go to :mod:`ringcore.device.plans` with the same slices and schedules.
+  go to :mod:`ringcore.plans.device` with the same slices and schedules.
 
 Why three forms. A 4 KiB allreduce's cost is its Python: every microsecond
 of it costs about two of wall time at N=4 on two cores, and planning per call
@@ -206,9 +206,9 @@ class AllreducePlan:
         buffer = self.buffer if self.buffer is not None else checked_buffer(obj, self.dtype)
         desc = Descriptor("allreduce", seq, *self.fields)
         if buffer.device == "cuda":
-            from ringcore.device import plans
+            from ringcore.plans import device
 
-            plans.allreduce(ctx, desc, buffer, self.op, self.compression)
+            device.allreduce(ctx, desc, buffer, self.op, self.compression)
             return
         reducer = ctx.reducer(buffer.dtype, self.op, self.compression)
         in_place = reducer.wire_dtype == buffer.dtype.storage

@@ -33,9 +33,9 @@ def plan_broadcast(ctx: Context, obj: Any, root: int) -> CallPlan:
             return obj
         desc = Descriptor("broadcast", seq, buffer.dtype.name, buffer.shape, None, root)
         if buffer.device == "cuda":
-            from ringcore.device import plans
+            from ringcore.plans import device
 
-            plans.broadcast(ctx, desc, buffer, root)
+            device.broadcast(ctx, desc, buffer, root)
             return obj
         reducer = ctx.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
         itemsize = buffer.dtype.itemsize
