@@ -30,14 +30,13 @@ environment plus:
 Binding (``--bind-to core``, the default; ``RINGCORE_BIND_TO`` sets the
 default, e.g. for ``ringcore-bench --np``): when the host has a CPU for every
 rank, rank ``r`` is bound to the ``r``-th equal share of the CPUs this
-launcher may use (Open MPI binds small jobs too). A rank the scheduler leaves
-on its peer's core makes a 4 KiB allreduce take 250-400 us instead of 45-95
-us (measured, N=2 on 2 cores). A share keeps all its CPUs (a rank's own
-threads, e.g. torch's, still spread over them). With more ranks than CPUs,
-rank ``r`` is bound to CPU ``r mod CPUs`` (round robin, as Open MPI's
-``--map-by core --bind-to core:overload-allowed``): ranks the scheduler moves
-between cores run on cold caches, and at N=4 on 2 cores a 4 KiB allreduce
-took 240-300 us bound against 390-450 unbound (bench/RESULTS.md).
+launcher may use (Open MPI binds small jobs too): a rank the scheduler leaves
+on its peer's core makes small allreduces several times slower. A share keeps
+all its CPUs (a rank's own threads, e.g. torch's, still spread over them).
+With more ranks than CPUs, rank ``r`` is bound to CPU ``r mod CPUs`` (round
+robin, as Open MPI's ``--map-by core --bind-to core:overload-allowed``): ranks
+the scheduler moves between cores run on cold caches (measured:
+``bench/HISTORY.md``, "Crowded ranks bound round robin").
 ``--bind-to none`` never binds.
 
 Each rank runs in its own session, so it and everything it starts form one

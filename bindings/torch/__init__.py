@@ -27,7 +27,9 @@ rank out of data serves the others), ``fusion`` (gradient buckets),
 ``ringcore-run --min-np``), ``parameters`` (broadcast_parameters,
 broadcast_optimizer_state), ``objects`` (pickled objects, model layout
 checks), ``sync_batch_norm``, ``process_group`` (the torch.distributed
-backend), ``ddp_hooks`` (DDP communication hooks with ringcore's compression).
+backend) with ``work`` (its Work objects) and ``launcher_env`` (torch's
+variables under mpirun and srun), ``ddp_hooks`` (DDP communication hooks with
+ringcore's compression).
 """
 
 from ringcore.torch import ddp_hooks, elastic

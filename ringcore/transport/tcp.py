@@ -40,8 +40,8 @@ Yielding lets whatever shares the core run first: a peer rank when there are
 more ranks than cores (Open MPI's ``mpi_yield_when_idle``), and the kernel's
 own ``ksoftirqd``, which processes loopback packets once softirqs back up. A
 rank alone on its core pays a syscall per try; without the yield, N=2 runs
-at 1M-16M fell into a mode of ~1.0 GB/s instead of 2.1-3.0 in five of six
-runs (``ringcore-bench --np 2 -b 1M -e 16M -f 4``).
+at 1M-16M often fell into a mode of half the bandwidth (measured:
+``bench/HISTORY.md``).
 
 Connections. Channel 0 is a full mesh, so any algorithm can reach any peer
 and every rank notices a dead or aborting peer during any collective, even
