@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 
-from ringcore.algo.steps import Buf
 from ringcore.config import Settings
 from ringcore.context import Context
 from ringcore.errors import CollectiveTimeout, CommunicatorClosed
@@ -170,10 +169,6 @@ class Communicator:
     def allreduce_slice_bytes(self) -> int:
         """Wire bytes per allreduce slice (``Settings.allreduce_slice_bytes``); equal on every rank."""
         return self.ctx.allreduce_slice_bytes
-
-    @property
-    def _scratch(self) -> dict[Buf, np.ndarray]:
-        return self.ctx._scratch  # the scratch pools (tests check they are released)
 
     # ------------------------------------------------------------------ public API
 

@@ -115,6 +115,10 @@ class Context:
         """
         return {Buf.USER: buffer.array, **self.scratch_views(schedule.scratch, buffer.count, wire_dtype)}
 
+    def scratch_pools(self) -> list[np.ndarray]:
+        """The scratch pools kept between collectives (for tests and tuning: what memory is held)."""
+        return list(self._scratch.values())
+
     def scratch_views(self, bufs: tuple[Buf, ...], count: int, wire_dtype: np.dtype) -> dict[Buf, np.ndarray]:
         """Views of ``count`` elements of each pool in ``bufs`` (WORK always present); do not modify the dict."""
         key = (bufs, count, wire_dtype)

@@ -134,7 +134,7 @@ def outgrown_pool(comm: Any) -> dict[str, Any]:
     for _ in range(3):
         comm.allreduce(x)  # planned now; its scratch is the communicator's
         x[:] = comm.rank + 1
-    pools = [weakref.ref(pool) for pool in comm._scratch.values()]
+    pools = [weakref.ref(pool) for pool in comm.ctx.scratch_pools()]
     comm.reduce_scatter(np.ones((comm.size, 1_000_000), np.float32))  # the pools grow
     gc.collect()
     comm.allreduce(x)

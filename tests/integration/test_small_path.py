@@ -235,7 +235,7 @@ def outgrown_pool(comm: Any) -> dict[str, Any]:
     import weakref
 
     comm.reduce_scatter(np.ones((comm.size, 50_000), np.float32))  # scratch pools of ~200 KB
-    pools = [weakref.ref(pool) for pool in comm._scratch.values()]
+    pools = [weakref.ref(pool) for pool in comm.ctx.scratch_pools()]
     x = np.ones(1000, np.float32)
     for _ in range(3):
         comm.allreduce(x)  # bound now
