@@ -46,6 +46,7 @@ from ringcore.placement import describe_me, place
 from ringcore.rendezvous import WorldSpec, listen_address
 from ringcore.store import REJECTED_KEY, StoreClient, StoreServer, tls_contexts
 from ringcore.transport.mesh import connect_mesh, make_listener
+from ringcore.transport.shm import ShmTransport
 from ringcore.transport.tcp import TcpTransport
 
 log = logging.getLogger("ringcore")
@@ -93,7 +94,7 @@ def bootstrap(world: WorldSpec, settings: Settings, meeting: Meeting | None = No
         store = _join_store(world, settings, key, client_tls)
         if world.rank == 0:
             store.set("session", secrets.randbits(63))
-        if settings.transport != "tcp":
+        if settings.transport in ("ibverbs", "auto"):
             device, records = _open_rdma(store, world, settings)
         host = listen_address(settings, world.addr, world.port)
         listener = make_listener(host, settings.socket_buffer, port_range=settings.port_range)
@@ -128,6 +129,8 @@ def bootstrap(world: WorldSpec, settings: Settings, meeting: Meeting | None = No
                 settings.init_timeout,
             )
             device = None  # the transport owns it now
+        elif settings.transport == "shm":
+            transport = _open_shm(transport, settings)
     except BaseException as err:
         for closable in (listener, store, device):
             if closable is not None:
@@ -137,9 +140,11 @@ def bootstrap(world: WorldSpec, settings: Settings, meeting: Meeting | None = No
         raise
     listener.close()
     where = place(world.rank, peers, world.local_rank)
-    tcp = isinstance(transport, TcpTransport)
+    tcp = isinstance(transport, (TcpTransport, ShmTransport))  # one host's ranks: slice for the cache
     if tcp:
         transport.spin = settings.spin_seconds()
+    if isinstance(transport, ShmTransport):
+        transport.control.spin = settings.spin_seconds()
     comm = Communicator(
         world.rank,
         world.size,
@@ -260,6 +265,17 @@ def _open_rdma(store: StoreClient, world: WorldSpec, settings: Settings) -> tupl
         raise ConfigError(f"RINGCORE_TRANSPORT=ibverbs, but rank {culprit} cannot use RDMA: {why}")
     log.info("RINGCORE_TRANSPORT=auto: using TCP because rank %d cannot use RDMA: %s", culprit, why)
     return None, []
+
+
+def _open_shm(control: TcpTransport, settings: Settings) -> ShmTransport:
+    """``RINGCORE_TRANSPORT=shm``: shared memory to the ranks on this host, the TCP mesh to the rest."""
+    from ringcore.transport import shm
+
+    try:
+        return shm.connect(control, settings.shm_bytes, settings.init_timeout)
+    except BaseException:
+        control.close()
+        raise
 
 
 def _secret(settings: Settings) -> bytes:

@@ -69,7 +69,8 @@ class Settings:
     stall_warning: float = 60.0
     stall_shutdown: float | None = None
     gpu_staging_bytes: int = 8 * MIB  # pinned host memory per connection and direction (GPU buffers)
-    transport: str = "tcp"  # tcp | ibverbs | auto
+    transport: str = "tcp"  # tcp | shm | ibverbs | auto
+    shm_bytes: int = 4 * MIB  # RINGCORE_TRANSPORT=shm: shared memory per ordered pair of local ranks
     ib_device: str | None = None
     ib_port: int = 1
     ib_gid_index: int | None = None
@@ -114,6 +115,7 @@ class Settings:
                 "RINGCORE_GPU_STAGING_BYTES", cls.gpu_staging_bytes, minimum=64 * KIB
             ),
             transport=_transport(env.get("RINGCORE_TRANSPORT") or cls.transport),
+            shm_bytes=reader.size("RINGCORE_SHM_BYTES", cls.shm_bytes, minimum=64 * KIB),
             ib_device=env.get("RINGCORE_IB_DEVICE") or None,
             ib_port=reader.int("RINGCORE_IB_PORT", cls.ib_port, minimum=1, maximum=255),
             ib_gid_index=reader.int("RINGCORE_IB_GID_INDEX", None, minimum=0, maximum=4095),
@@ -254,7 +256,7 @@ class _Reader:
         return _bounded(name, parse_size(text, name), minimum, None)
 
 
-TRANSPORTS = ("tcp", "ibverbs", "auto")
+TRANSPORTS = ("tcp", "shm", "ibverbs", "auto")
 
 
 def _transport(text: str) -> str:

@@ -1,6 +1,7 @@
 """One conformance suite every transport must pass.
 
-The transports: loopback (zero capacity), TCP on 127.0.0.1, the RDMA
+The transports: loopback (zero capacity), TCP on 127.0.0.1, shared memory
+(``shm``: rings in /dev/shm between the ranks, wrapping a TCP mesh), the RDMA
 transport's protocol over fake verbs (``rdma-fake``, runs everywhere), and the
 RDMA transport on a real verbs device (``ibverbs``: skipped unless one is
 present, e.g. in the Soft-RoCE guest of ``ci/rdma-vm``).
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 
 from ringcore.errors import PeerFailure
-from ringcore.transport import wire
+from ringcore.transport import shm, wire
 from ringcore.transport.base import FrameMismatch, PeerAborted, Request
 from ringcore.transport.loopback import LoopbackNetwork
 from ringcore.transport.mesh import connect_mesh, make_listener
@@ -83,6 +84,19 @@ def rdma_fake_mesh(size: int, channels: int, fabric: FakeFabric | None = None, d
     return transports
 
 
+def shm_mesh(size: int, channels: int, shm_bytes: int = 256 << 10) -> list:
+    """Shared memory between ranks of this process (threads), over a TCP mesh of the same ranks.
+
+    256 KiB per pair: 8 slots of ~32 KiB, so large frames go in many pieces around the ring.
+    """
+    controls = tcp_mesh(size, channels)
+    made = in_parallel(
+        *[lambda rank=rank: shm.connect(controls[rank], shm_bytes, 20.0) for rank in range(size)]
+    )
+    assert all(len(t.local) == size - 1 for t in made), "every rank of this process is on this host"
+    return made
+
+
 def ibverbs_mesh(size: int, channels: int) -> list:
     """The RDMA transport on a real verbs device, every rank in this process (RDMA test)."""
     from ringcore.config import Settings
@@ -104,7 +118,13 @@ def ibverbs_mesh(size: int, channels: int) -> list:
 
 
 @pytest.fixture(
-    params=["loopback", "tcp", "rdma-fake", pytest.param("ibverbs", marks=[pytest.mark.rdma, needs_rdma])]
+    params=[
+        "loopback",
+        "tcp",
+        "shm",
+        "rdma-fake",
+        pytest.param("ibverbs", marks=[pytest.mark.rdma, needs_rdma]),
+    ]
 )
 def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
     made: list = []
@@ -115,6 +135,8 @@ def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
             transports = [network.transport(r) for r in range(size)]
         elif request.param == "tcp":
             transports = tcp_mesh(size, channels)
+        elif request.param == "shm":
+            transports = shm_mesh(size, channels)
         elif request.param == "rdma-fake":
             transports = rdma_fake_mesh(size, channels)
         else:
@@ -626,7 +648,7 @@ def test_tcp_a_receive_that_arrived_with_an_abort_completes_first(tcp: Callable[
     assert info.value.peer == 2
 
 
-@pytest.mark.parametrize("kind", ["tcp", "rdma-fake"])
+@pytest.mark.parametrize("kind", ["tcp", "shm", "rdma-fake"])
 def test_an_early_frame_of_the_next_collective_is_checked_when_it_starts(kind: str) -> None:
     """Rank 0 starts collective #6 while rank 1 is still in #5, and they disagree on #6.
 
@@ -634,13 +656,13 @@ def test_an_early_frame_of_the_next_collective_is_checked_when_it_starts(kind: s
     only the frame (TCP) or receive announcement (RDMA) that arrived during #5 can tell it:
     starting #6 must judge it again, or both would wait for the timeout.
     """
-    t = tcp_mesh(2, 1) if kind == "tcp" else rdma_fake_mesh(2, 1)
+    t = {"tcp": tcp_mesh, "shm": shm_mesh, "rdma-fake": rdma_fake_mesh}[kind](2, 1)
     try:
         data = np.ones(8, np.uint8)
         out = np.zeros(8, np.uint8)
         t[1].expect(5, SIG)
         t[0].expect(6, 111)
-        if kind == "tcp":
+        if kind != "rdma-fake":
             t[0].isend(1, 0, wire.make_tag(6, 0, 0), 111, view(data))
         else:
             t[0].irecv(1, 0, wire.make_tag(6, 0, 0), 111, view(out))  # announced to rank 1

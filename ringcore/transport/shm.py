@@ -1,0 +1,491 @@
+"""Shared-memory transport: ranks on one host move frames through rings in ``/dev/shm``.
+
+Composition. Like :mod:`ringcore.transport.rdma`, this wraps the job's TCP
+mesh (:class:`~ringcore.transport.tcp.TcpTransport`). Frames to and from
+peers on this host go through shared memory; frames to every other peer are
+handed to the TCP transport untouched. The TCP connections to local peers
+stay open and carry no data: they are how this rank learns that a local peer
+died (its socket closes: ``PeerFailure`` naming it), shut down (BYE) or
+aborted (an ABORT frame with its reason: ``PeerAborted``). A stopped peer is
+noticed as nothing moving: the executors' wait loop raises
+``CollectiveTimeout``.
+
+Data path. Per ordered pair (sender -> receiver) one segment made by the
+sender, with one ring of slots per channel (layout and memory order:
+:mod:`ringcore.transport.shm_ring`), bounded by ``RINGCORE_SHM_BYTES`` and
+never sized by a tensor. A send is done when its last piece is in a slot
+(like TCP's send when its bytes are in the socket buffer); a receive reads
+each piece's header, checks tag, signature and length against the posted
+receive (``FrameMismatch`` before a byte lands in the view), copies the
+payload into the view and releases the slot. FIFO per ``(peer, channel)``
+holds because each ring is one stream.
+
+Waiting. ``progress`` polls the rings; with nothing to move it polls them in
+a tight loop for ``TIGHT_SPIN`` s, then with ``sched_yield`` between polls
+until ``spin`` s (``RINGCORE_SPIN_US``), then naps (doubling up to
+``MAX_NAP``), so a rank waiting for a peer on the same core hands it the
+CPU. From the first yield on it also polls the TCP sockets (the wrapped
+transport's ``progress(0)``), so an ABORT or a dead peer is seen while
+waiting on shared memory.
+
+Set-up (``connect``), three rounds of small messages over the authenticated
+TCP mesh, to every peer:
+
+1. identity: hostname and ``/proc/sys/kernel/random/boot_id``, and the name
+   and contents of a probe file this rank made in ``/dev/shm`` (mode 0600).
+   A peer is local only if the identity matches *and* it can read the probe:
+   two containers with one hostname and separate ``/dev/shm`` are not fooled.
+2. segments: whether this rank judged the peer local, and if so the name and
+   layout of the segment it made for it (a failure to make one, e.g.
+   ``/dev/shm`` too small, makes the pair use TCP, with one warning naming
+   ``RINGCORE_SHM_BYTES``).
+3. mapped: whether this rank mapped the peer's segment. The receiver unlinks
+   a segment as soon as it has mapped it, and the sender unlinks it (again)
+   after this round, so once ``connect`` returns nothing of the job is left
+   in ``/dev/shm`` whatever happens to any rank later. A pair is carried by
+   shared memory only if both ranks said yes in every round.
+
+Only the window between making a segment and the end of set-up can leave a
+file behind (a rank killed right then); names are unguessable and files are
+readable only by the job's user.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import time
+from typing import Any
+
+import msgpack
+
+from ringcore.errors import CollectiveTimeout
+from ringcore.transport import shm_ring
+from ringcore.transport.base import FrameMismatch, Request
+from ringcore.transport.shm_ring import Ring, Segment
+from ringcore.transport.tcp import TcpTransport, needed_links
+from ringcore.transport.wire import ProtocolError
+
+log = logging.getLogger("ringcore")
+
+TIGHT_SPIN = 50e-6  # seconds of polling without a syscall before yielding
+MAX_NAP = 500e-6  # the longest sleep between polls while waiting
+_YIELDS_PER_TCP_POLL = 8
+_warned_fallback = False
+
+
+class _Link:
+    """One ``(peer, channel)`` carried by shared memory: the ring out, the ring in, their queues."""
+
+    __slots__ = ("channel", "inbound", "outbound", "peer", "recvs", "sends")
+
+    def __init__(self, peer: int, channel: int, outbound: Ring, inbound: Ring) -> None:
+        self.peer = peer
+        self.channel = channel
+        self.outbound = outbound
+        self.inbound = inbound
+        self.sends: list[tuple[Request, int, int]] = []  # (request, signature, bytes written)
+        self.recvs: list[tuple[Request, int, int]] = []  # (request, signature, bytes read)
+
+    def push(self) -> bool:
+        """Write pieces of queued sends while slots are free."""
+        moved = False
+        ring = self.outbound
+        while self.sends and ring.room():
+            request, signature, done = self.sends[0]
+            length = min(ring.slot_bytes, request.nbytes - done)
+            ring.write(request.tag, signature, request.nbytes, done, request.view[done : done + length])
+            moved = True
+            done += length
+            if done == request.nbytes:
+                request.done = True
+                self.sends.pop(0)
+            else:
+                self.sends[0] = (request, signature, done)
+        return moved
+
+    def pull(self) -> bool:
+        """Read pieces into posted receives while they are there; raise on a frame that disagrees."""
+        moved = False
+        ring = self.inbound
+        while self.recvs:
+            piece = ring.peek()
+            if piece is None:
+                return moved
+            request, signature, done = self.recvs[0]
+            tag, got_signature, nbytes, offset, length = piece
+            if done == 0:
+                if got_signature != signature:
+                    raise FrameMismatch(self.peer, "signature", signature, got_signature)
+                if tag != request.tag:
+                    raise FrameMismatch(self.peer, "tag", request.tag, tag)
+                if nbytes != request.nbytes:
+                    raise FrameMismatch(self.peer, "nbytes", request.nbytes, nbytes)
+            if offset != done or tag != request.tag or offset + length > request.nbytes:
+                raise ProtocolError(
+                    f"rank {self.peer} wrote bytes {offset}-{offset + length} of frame {tag:#x}, "
+                    f"expected byte {done} of frame {request.tag:#x} ({request.nbytes} bytes)"
+                )
+            ring.take(request.view[done : done + length], length)
+            moved = True
+            done += length
+            if done == request.nbytes:
+                request.done = True
+                self.recvs.pop(0)
+            else:
+                self.recvs[0] = (request, signature, done)
+        return moved
+
+
+class ShmTransport:
+    """Shared memory to the peers on this host, TCP to the rest (see module docstring).
+
+    Args:
+        control: the job's TCP mesh; it carries the other peers' frames and everyone's liveness.
+        links: ``(peer, channel) -> (outbound ring, inbound ring)`` for the local peers.
+        segments: the mapped segments, unmapped at ``close``.
+    """
+
+    def __init__(
+        self,
+        control: TcpTransport,
+        links: dict[tuple[int, int], tuple[Ring, Ring]],
+        segments: list[Segment],
+    ) -> None:
+        self.rank = control.rank
+        self.size = control.size
+        self.channels = control.channels
+        self.control = control
+        self.links = {key: _Link(key[0], key[1], out, into) for key, (out, into) in links.items()}
+        self.local = sorted({peer for peer, _ in links})
+        self.segments = segments
+        self.spin = 200e-6  # seconds of polling before napping (Settings.spin_seconds)
+        self.current = (-1, 0)
+        self.closed = False
+        self._remote: list[Request] = []  # requests handed to the TCP transport, not yet seen done
+
+    # -- the Transport contract ---------------------------------------------------------------
+
+    def expect(self, seq: int, signature: int) -> None:
+        self.current = (seq & 0xFFFFFFFF, signature)
+        self.control.expect(seq, signature)
+        self._check_idle()
+
+    def route(self, peer: int, segment: int) -> int:
+        channel = segment % self.channels
+        if (peer, 0) in self.links:
+            return channel if (peer, channel) in self.links else 0
+        return self.control.route(peer, segment)
+
+    def isend(self, peer: int, channel: int, tag: int, signature: int, view: memoryview) -> Request:
+        link = self.links.get((peer, channel))
+        if link is None:
+            return self._delegate(self.control.isend(peer, channel, tag, signature, view))
+        request = Request(peer, channel, tag, _bytes(view))
+        link.sends.append((request, signature, 0))
+        return request
+
+    def irecv(self, peer: int, channel: int, tag: int, signature: int, view: memoryview) -> Request:
+        link = self.links.get((peer, channel))
+        if link is None:
+            return self._delegate(self.control.irecv(peer, channel, tag, signature, view))
+        request = Request(peer, channel, tag, _bytes(view))
+        link.recvs.append((request, signature, 0))
+        return request
+
+    def progress(self, timeout: float) -> bool:
+        moved = self._pump()
+        if self._remote:
+            moved = self._progress_remote(0) or moved
+        if moved or timeout <= 0:
+            return moved
+        if not any(link.sends or link.recvs for link in self.links.values()):
+            moved = self._progress_remote(timeout)  # only TCP has work (or nothing has): it waits
+            self._check_idle()
+            return moved
+        return self._wait(timeout)
+
+    def cancel(self) -> None:
+        """Forget posted work; a frame half written or read leaves its ring mid-frame (abort/close only)."""
+        for link in self.links.values():
+            link.sends.clear()
+            link.recvs.clear()
+        self._remote.clear()
+        self.control.cancel()
+
+    def abort(self, reason: dict[str, Any]) -> None:
+        self.control.abort(reason)
+
+    def peer_name(self, peer: int) -> str:
+        return self.control.peer_name(peer)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.control.close()
+        for link in self.links.values():
+            link.outbound.drop()
+            link.inbound.drop()
+        self.links = {}
+        for segment in self.segments:
+            segment.close()
+
+    # -- moving and waiting --------------------------------------------------------------------
+
+    def _delegate(self, request: Request) -> Request:
+        self._remote.append(request)
+        return request
+
+    def _progress_remote(self, timeout: float) -> bool:
+        moved = self.control.progress(timeout)
+        if self._remote:
+            self._remote = [request for request in self._remote if not request.done]
+        return moved
+
+    def _pump(self) -> bool:
+        moved = False
+        for link in self.links.values():
+            if link.sends and link.push():
+                moved = True
+            if link.recvs and link.pull():
+                moved = True
+        return moved
+
+    def _wait(self, timeout: float) -> bool:
+        """Poll until something moves or ``timeout`` s pass (see "Waiting" in the module docstring)."""
+        start = time.perf_counter()
+        deadline = start + timeout
+        nap, polls = 0.0, 0
+        while True:
+            now = time.perf_counter()
+            if now > deadline:
+                return False
+            if now - start > TIGHT_SPIN:
+                if now - start < self.spin:
+                    os.sched_yield()
+                else:
+                    nap = min(MAX_NAP, nap * 2 or 20e-6, deadline - now)
+                    time.sleep(nap)
+                polls += 1
+                if (nap or polls % _YIELDS_PER_TCP_POLL == 0) and self._tcp_news():
+                    return True
+            if self._pump():
+                return True
+
+    def _tcp_news(self) -> bool:
+        """Poll the TCP side once: its own frames, and ABORT, BYE or hang-up of local peers."""
+        moved = self._progress_remote(0)
+        self._check_departed()
+        self._check_idle()
+        return moved
+
+    def _check_departed(self) -> None:
+        for link in self.links.values():
+            conn = self.control.conns.get((link.peer, 0))
+            if conn is not None and conn.departed and (link.sends or link.recvs):
+                raise conn.fail("shut down (called shutdown()) while this rank still had frames for it")
+
+    def _check_idle(self) -> None:
+        """A frame of the running collective waiting where no receive is posted must agree on the signature."""
+        seq, signature = self.current
+        for link in self.links.values():
+            if link.recvs:
+                continue
+            piece = link.inbound.peek()
+            if piece is not None and piece[3] == 0 and piece[0] >> 32 == seq and piece[1] != signature:
+                raise FrameMismatch(link.peer, "signature", signature, piece[1])
+
+
+def _bytes(view: memoryview) -> memoryview:
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+# -- set-up --------------------------------------------------------------------------------------
+
+_SETUP_TAG = 0xFFFFFFFE << 32  # never a collective's: set-up ends before the first collective
+_SETUP_SIGNATURE = 0x5348_4D00  # "SHM"
+_MESSAGE_BYTES = 512
+_LENGTH = struct.Struct("<H")
+
+
+def connect(control: TcpTransport, shm_bytes: int, timeout: float) -> ShmTransport:
+    """Find the peers on this host and connect to them through shared memory (module docstring).
+
+    Args:
+        control: the job's connected TCP mesh; every rank must call this at the same point.
+        shm_bytes: bytes of shared memory per ordered pair (``RINGCORE_SHM_BYTES``).
+        timeout: seconds each round may wait for the peers (``RINGCORE_INIT_TIMEOUT``).
+
+    Raises:
+        PeerFailure: a peer died during set-up.
+        CollectiveTimeout: a peer did not answer within ``timeout`` (is it using ``RINGCORE_TRANSPORT=shm``?).
+    """
+    peers = [peer for peer in range(control.size) if peer != control.rank]
+    why_not = shm_ring.supported()
+    probe, token = (None, "") if why_not else _make_probe()
+    made: dict[int, Segment] = {}
+    mapped: dict[int, Segment] = {}
+    try:
+        me = {"host": _host_identity(), "probe": probe or "", "token": token}
+        theirs = _exchange(control, dict.fromkeys(peers, me), timeout)
+        local = [peer for peer in peers if not why_not and _is_local(me, theirs[peer])]
+        links = needed_links(control.rank, control.size, control.channels)
+        rings = {peer: sum(1 for p, _ in links if p == peer) for peer in local}
+        offers = {peer: _offer(peer, rings[peer], shm_bytes, made) for peer in local}
+        answers = _exchange(control, {peer: offers.get(peer, {}) for peer in peers}, timeout)
+        if probe is not None:
+            shm_ring.unlink(probe)
+        for peer in local:
+            if peer in made and answers[peer].get("segment"):
+                _attach(peer, answers[peer], mapped)
+        done = _exchange(control, {peer: {"mapped": peer in mapped} for peer in peers}, timeout)
+    except BaseException:
+        for segment in (*made.values(), *mapped.values()):
+            shm_ring.unlink(segment.name)
+            segment.close()
+        if probe is not None:
+            shm_ring.unlink(probe)
+        raise
+    for segment in made.values():
+        shm_ring.unlink(segment.name)
+    return _assemble(control, made, mapped, answers, done, links)
+
+
+def _assemble(
+    control: TcpTransport,
+    made: dict[int, Segment],
+    mapped: dict[int, Segment],
+    answers: dict[int, dict[str, Any]],
+    done: dict[int, dict[str, Any]],
+    links: list[tuple[int, int]],
+) -> ShmTransport:
+    """The transport over the pairs where both sides mapped; the other segments are dropped."""
+    rings: dict[tuple[int, int], tuple[Ring, Ring]] = {}
+    kept: list[Segment] = []
+    for peer in sorted(made):
+        if peer not in mapped or not done[peer].get("mapped"):
+            made[peer].close()
+            if peer in mapped:
+                mapped.pop(peer).close()
+            continue
+        out_layout = shm_ring.layout(made[peer].region.size(), _count(links, peer))
+        in_layout = tuple(answers[peer]["layout"])
+        channels = [channel for p, channel in links if p == peer]
+        for index, channel in enumerate(channels):
+            rings[(peer, channel)] = (
+                _ring(made[peer], index, out_layout),
+                _ring(mapped[peer], index, in_layout),
+            )
+        kept += [made[peer], mapped[peer]]
+    if rings:
+        log.info("rank %d: shared memory to ranks %s", control.rank, sorted({p for p, _ in rings}))
+    return ShmTransport(control, rings, kept)
+
+
+def _count(links: list[tuple[int, int]], peer: int) -> int:
+    return sum(1 for p, _ in links if p == peer)
+
+
+def _ring(segment: Segment, index: int, layout: tuple[int, ...]) -> Ring:
+    ring_bytes, slots, slot_bytes = layout
+    assert segment.bytes is not None
+    return Ring(segment.bytes[index * ring_bytes : (index + 1) * ring_bytes], slots, slot_bytes)
+
+
+def _offer(peer: int, rings: int, shm_bytes: int, made: dict[int, Segment]) -> dict[str, Any]:
+    """Make the segment this rank writes to ``peer``; what to tell the peer about it."""
+    ring_bytes, slots, slot_bytes = shm_ring.layout(shm_bytes, rings)
+    if not slots:
+        _fall_back(peer, f"{shm_bytes} bytes cannot hold {rings} rings of slots")
+        return {"local": True}
+    try:
+        made[peer] = Segment.create(ring_bytes * rings)
+    except OSError as err:
+        _fall_back(peer, f"{shm_ring.SHM_DIR}: {err.strerror or err}")
+        return {"local": True}
+    layout = [ring_bytes, slots, slot_bytes]
+    return {"local": True, "segment": made[peer].name, "bytes": ring_bytes * rings, "layout": layout}
+
+
+def _attach(peer: int, answer: dict[str, Any], mapped: dict[int, Segment]) -> None:
+    try:
+        mapped[peer] = Segment.attach(str(answer["segment"]), int(answer["bytes"]))
+    except OSError as err:
+        _fall_back(peer, f"could not map its segment: {err}")
+
+
+def _fall_back(peer: int, why: str) -> None:
+    global _warned_fallback
+    if not _warned_fallback:
+        log.warning(
+            "shared memory to rank %d is not possible (%s); that pair uses TCP. Free space in %s or "
+            "lower RINGCORE_SHM_BYTES (bytes per pair of ranks)",
+            peer,
+            why,
+            shm_ring.SHM_DIR,
+        )
+        _warned_fallback = True
+
+
+def _make_probe() -> tuple[str | None, str]:
+    name, token = shm_ring.new_name("probe"), os.urandom(16).hex()
+    try:
+        fd = os.open(os.path.join(shm_ring.SHM_DIR, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return None, ""
+    with os.fdopen(fd, "w") as file:
+        file.write(token)
+    return name, token
+
+
+def _is_local(me: dict[str, Any], peer: dict[str, Any]) -> bool:
+    """Same host identity, and the peer's probe file is visible here with its contents."""
+    name = str(peer.get("probe", ""))
+    if peer.get("host") != me["host"] or not name.startswith(shm_ring.PREFIX) or "/" in name:
+        return False
+    try:
+        with open(os.path.join(shm_ring.SHM_DIR, name)) as file:
+            return file.read() == peer["token"]
+    except OSError:
+        return False
+
+
+def _host_identity() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            boot = file.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _exchange(
+    control: TcpTransport, outgoing: dict[int, dict[str, Any]], timeout: float
+) -> dict[int, dict[str, Any]]:
+    """Send one small message to every peer and receive one from each, over the TCP mesh."""
+    inboxes = {peer: bytearray(_MESSAGE_BYTES) for peer in outgoing}
+    requests = []
+    for peer, message in outgoing.items():
+        packed = msgpack.packb(message)
+        frame = bytearray(_MESSAGE_BYTES)
+        _LENGTH.pack_into(frame, 0, len(packed))
+        frame[_LENGTH.size : _LENGTH.size + len(packed)] = packed
+        requests.append(control.irecv(peer, 0, _SETUP_TAG, _SETUP_SIGNATURE, memoryview(inboxes[peer])))
+        requests.append(control.isend(peer, 0, _SETUP_TAG, _SETUP_SIGNATURE, memoryview(frame)))
+    deadline = time.monotonic() + timeout
+    while not all(request.done for request in requests):
+        if time.monotonic() > deadline:
+            waiting = sorted({r.peer for r in requests if not r.done})
+            raise CollectiveTimeout(
+                f"rank {control.rank}: ranks {waiting} did not answer the shared-memory set-up within "
+                f"{timeout:g} s; is RINGCORE_TRANSPORT=shm set on every rank?"
+            )
+        control.progress(0.05)
+    replies = {}
+    for peer, inbox in inboxes.items():
+        (length,) = _LENGTH.unpack_from(inbox, 0)
+        replies[peer] = msgpack.unpackb(bytes(inbox[_LENGTH.size : _LENGTH.size + length]))
+    return replies

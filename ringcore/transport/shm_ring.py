@@ -1,0 +1,200 @@
+"""One shared-memory segment per ordered pair of ranks on a host, and the rings of slots in it.
+
+Layout. The sender of a pair (``src -> dst``) creates the segment and is the
+only writer of its slots; the receiver is the only writer of each ring's
+consumer counter. A segment holds one ring per channel the pair is connected
+on (``needed_links``), each ``ring_bytes`` long::
+
+    ring:  [released u64, pad to 64 B] [slot 0] [slot 1] ... [slot n-1]
+    slot:  [ready u64 | tag u64 | signature u64 | nbytes u64 | offset u64 | length u64 | pad] [payload]
+
+A frame of ``nbytes`` goes in pieces of at most ``slot_bytes``, one per slot,
+in order; a zero-byte frame is one empty piece. The k-th piece written to a
+ring (k = 0, 1, ...) goes in slot ``k % n``, and is published by storing
+``ready = k + 1`` last, after its header and payload. The reader of piece k
+waits for ``ready == k + 1``, checks the header, copies the payload out and
+stores ``released = k + 1``; the writer reuses a slot only once
+``k - released < n``. The counters never wrap (64 bits).
+
+Memory order. Single-writer counters stored as aligned ``np.uint64`` are
+single instructions; x86-64 keeps stores in program order and loads in
+program order (TSO), and every copy here is an opaque C call the compiler
+cannot move the counter store across, so "payload, then counter" written is
+"counter, then payload" read. Weaker memory models (ARM, POWER) would need
+fences Python cannot issue: :func:`supported` says no there, and those ranks
+use TCP.
+
+Files. ``create`` makes the segment with ``O_CREAT | O_EXCL`` and mode 0600
+under an unguessable name (``secrets.token_hex``), and reserves its pages
+with ``posix_fallocate``, so a ``/dev/shm`` too small fails here with
+``ENOSPC`` instead of a ``SIGBUS`` on first touch. ``attach`` maps a peer's
+segment and unlinks it at once: from then on only the two mappings keep the
+memory, and the kernel frees it when both processes are gone, however they
+end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import platform
+import secrets
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+PREFIX = "ringcore-"
+CONTROL_BYTES = 64  # the consumer counter, alone on its cache line
+SLOT_HEADER_BYTES = 64
+HEADER_FIELDS = 6  # ready, tag, signature, nbytes, offset, length
+MAX_SLOTS = 8
+MIN_SLOT_BYTES = 4096
+
+
+def supported() -> str | None:
+    """None when this host can carry frames in shared memory, else why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"{platform.machine()} is not x86-64 (the rings rely on its store order)"
+    if not os.path.isdir(SHM_DIR):
+        return f"{SHM_DIR} does not exist"
+    return None
+
+
+def new_name(kind: str) -> str:
+    """An unguessable file name under /dev/shm."""
+    return f"{PREFIX}{kind}-{secrets.token_hex(16)}"
+
+
+def layout(total: int, rings: int) -> tuple[int, int, int]:
+    """``(ring_bytes, slots, slot_bytes)`` for ``rings`` rings in ``total`` bytes; slots 0 if too small."""
+    ring_bytes = (total // rings) // 64 * 64
+    room = ring_bytes - CONTROL_BYTES
+    slots = max(2, min(MAX_SLOTS, room // (MIN_SLOT_BYTES + SLOT_HEADER_BYTES)))
+    slot_bytes = (room // slots - SLOT_HEADER_BYTES) // 64 * 64
+    if slot_bytes < 64:
+        return ring_bytes, 0, 0
+    return ring_bytes, slots, slot_bytes
+
+
+class Segment:
+    """A mapped segment: the file's name (until unlinked) and its bytes as numpy."""
+
+    def __init__(self, name: str, region: mmap.mmap) -> None:
+        self.name = name
+        self.region = region
+        self.bytes: np.ndarray | None = np.frombuffer(region, np.uint8)
+
+    @classmethod
+    def create(cls, nbytes: int) -> Segment:
+        """Make a fresh 0600 segment of ``nbytes``, all pages reserved.
+
+        Raises:
+            OSError: ``/dev/shm`` is missing, not writable, or too small (``ENOSPC``).
+        """
+        name = new_name("seg")
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            region = mmap.mmap(fd, nbytes)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return cls(name, region)
+
+    @classmethod
+    def attach(cls, name: str, nbytes: int) -> Segment:
+        """Map a peer's segment and unlink it (see the module docstring)."""
+        if not name.startswith(PREFIX) or "/" in name:
+            raise OSError(f"not a ringcore segment name: {name!r}")
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            if os.fstat(fd).st_size != nbytes:
+                raise OSError(f"segment {name} is {os.fstat(fd).st_size} bytes, expected {nbytes}")
+            region = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+            unlink(name)
+        return cls(name, region)
+
+    def close(self) -> None:
+        """Drop this side's mapping (the memory goes when the peer's does too)."""
+        self.bytes = None
+        with contextlib.suppress(BufferError, ValueError):
+            self.region.close()  # a view still exported (a ring not yet dropped) leaves it to the GC
+
+
+def unlink(name: str) -> None:
+    """Remove a segment's name if it is still there."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(SHM_DIR, name))
+
+
+class Ring:
+    """One direction of one channel: the slots one rank writes and its peer reads.
+
+    Args:
+        data: the ring's bytes in a mapped segment (``ring_bytes`` of :func:`layout`).
+        slots, slot_bytes: as :func:`layout` gave them.
+    """
+
+    def __init__(self, data: np.ndarray, slots: int, slot_bytes: int) -> None:
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.released = data[:8].view(np.uint64)  # written by the reader only
+        stride = SLOT_HEADER_BYTES + slot_bytes
+        self.headers = [
+            data[CONTROL_BYTES + i * stride : CONTROL_BYTES + i * stride + 8 * HEADER_FIELDS].view(np.uint64)
+            for i in range(slots)
+        ]
+        start = CONTROL_BYTES + SLOT_HEADER_BYTES
+        self.payloads = [
+            memoryview(data[start + i * stride : start + i * stride + slot_bytes]) for i in range(slots)
+        ]
+        self.count = 0  # pieces this side has written (sender) or read (receiver)
+
+    # -- the writer's side
+
+    def room(self) -> bool:
+        """Whether the next slot has been released by the reader."""
+        return self.count - int(self.released[0]) < self.slots
+
+    def write(self, tag: int, signature: int, nbytes: int, offset: int, piece: memoryview) -> None:
+        """Publish one piece of a frame in the next slot (call only when ``room()``)."""
+        slot = self.count % self.slots
+        header = self.headers[slot]
+        length = piece.nbytes
+        header[1:HEADER_FIELDS] = (tag, signature, nbytes, offset, length)
+        if length:
+            self.payloads[slot][:length] = piece
+        self.count += 1
+        header[0] = self.count  # last: the piece is now the reader's
+
+    # -- the reader's side
+
+    def peek(self) -> tuple[int, int, int, int, int] | None:
+        """``(tag, signature, nbytes, offset, length)`` of the next piece, or None if not yet written."""
+        header = self.headers[self.count % self.slots]
+        if int(header[0]) != self.count + 1:
+            return None
+        tag, signature, nbytes, offset, length = (int(v) for v in header[1:HEADER_FIELDS])
+        return tag, signature, nbytes, offset, length
+
+    def take(self, into: memoryview | None, length: int) -> None:
+        """Copy the next piece's payload into ``into`` (None: drop it) and release its slot."""
+        slot = self.count % self.slots
+        if into is not None and length:
+            into[:length] = self.payloads[slot][:length]
+        self.count += 1
+        self.released[0] = self.count
+
+    def drop(self) -> None:
+        """Forget the mapped arrays so the segment can be unmapped."""
+        self.headers = []
+        self.payloads = []
+        self.released = np.zeros(1, np.uint64)

@@ -1,0 +1,110 @@
+"""Jobs of real processes over shared memory (``RINGCORE_TRANSPORT=shm``) on this host.
+
+Sizes run from 4 KiB to 16 MiB, past the 4 MiB a pair of ranks may share
+(``RINGCORE_SHM_BYTES``), so frames go around their ring in pieces. The
+failure cases check what the transport promises beyond the data: a killed
+rank is named by every survivor (its TCP connection closes) and leaves
+nothing in ``/dev/shm``; ranks that disagree fail with ``MismatchError``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ringcore
+from tests import tasks
+from tests.cluster import Background, Cluster, RankError, qualified, read_stamp
+from tests.reference import check_allreduce
+
+SHM = {"RINGCORE_TRANSPORT": "shm", "RINGCORE_TIMEOUT": "20"}
+KIB = 1024
+
+
+def ours() -> set[str]:
+    """Files of ringcore in /dev/shm (segments and probes)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("ringcore-")}
+
+
+def shm_peers(comm: object) -> dict[str, object]:
+    """The rank's transport and the peers it reaches through shared memory (a Cluster task)."""
+    transport = comm.transport  # type: ignore[attr-defined]
+    return {"transport": type(transport).__name__, "local": list(getattr(transport, "local", []))}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_allreduce_matches_numpy(size: int) -> None:
+    rng = np.random.default_rng(size)
+    before = ours()
+    with Cluster(size, env=SHM, timeout=120) as cluster:
+        reports = cluster.results(shm_peers)
+        for rank, report in enumerate(reports):
+            assert report == {"transport": "ShmTransport", "local": [p for p in range(size) if p != rank]}
+        assert ours() <= before, "segments must be unlinked once the job is connected"
+        cases = [
+            ("float32", "sum", 4 * KIB),
+            ("float64", "max", 64 * KIB),
+            ("int32", "sum", 1024 * KIB),
+            ("float32", "sum", 5 * 1024 * KIB + 12),
+            ("float32", "min", 16 * 1024 * KIB),
+        ]
+        for dtype, op, nbytes in cases:
+            count = nbytes // np.dtype(dtype).itemsize
+            inputs = [rng.integers(-50, 50, count).astype(dtype) for _ in range(size)]
+            for rank, got in enumerate(cluster.results(tasks.allreduce, inputs, op, timeout=120)):
+                check_allreduce(got, inputs, op, where=f"rank {rank} {dtype} {nbytes} bytes:")
+
+
+@pytest.mark.timeout(180)
+def test_broadcast_allgather_reduce_scatter() -> None:
+    size = 3
+    rng = np.random.default_rng(11)
+    with Cluster(size, env=SHM, timeout=120) as cluster:
+        inputs = [rng.standard_normal(1_000_003).astype(np.float32) for _ in range(size)]
+        for got in cluster.results(tasks.broadcast, inputs, 2, timeout=120):
+            np.testing.assert_array_equal(got, inputs[2])
+        small = [x[:9001] for x in inputs]
+        for got in cluster.results(tasks.allgather, small, timeout=120):
+            np.testing.assert_array_equal(got, np.concatenate(small))
+        ints = [rng.integers(0, 100, 3 * 70_000).astype(np.int64) for _ in range(size)]
+        total = np.sum(ints, axis=0)
+        for rank, got in enumerate(cluster.results(tasks.reduce_scatter, ints, "sum", timeout=120)):
+            np.testing.assert_array_equal(np.asarray(got).ravel(), total[rank * 70_000 : (rank + 1) * 70_000])
+
+
+@pytest.mark.timeout(150)
+def test_killed_rank_is_named_and_leaves_nothing_in_dev_shm(tmp_path: Path) -> None:
+    size, victim = 3, 1
+    fault = (victim, "kill9", str(tmp_path / "killed_at"), 0.5)  # halfway through its sends
+    before = ours()
+    with Cluster(size, env=SHM) as cluster:
+        survivors = [r for r in range(size) if r != victim]
+        doomed = Background(
+            cluster, tasks.allreduce_until_failure, 2_000_000, 3, fault, ranks=[victim], timeout=90
+        )
+        working = Background(
+            cluster, tasks.allreduce_until_failure, 2_000_000, 3, fault, ranks=survivors, timeout=90
+        )
+        reports = working.join(60)
+        (victim_report,) = doomed.join(30)
+        read_stamp(fault[2])
+        assert isinstance(victim_report, RankError) and victim_report.type_name == "dead", victim_report
+        for rank, report in zip(survivors, reports, strict=True):
+            assert report["error"] == qualified(ringcore.PeerFailure), (rank, report)
+            assert report["peer"] == victim and f"rank {victim}" in report["message"], (rank, report)
+            assert report["rounds"] >= 1, (rank, report)
+        assert ours() <= before, f"left in /dev/shm after kill -9: {sorted(ours() - before)}"
+    assert ours() <= before
+
+
+@pytest.mark.timeout(120)
+def test_mismatch_fails_every_rank() -> None:
+    calls = [("allreduce", (np.ones(n, np.float32),), {}) for n in (100_000, 100_001, 100_000)]
+    with Cluster(3, env=SHM, timeout=60) as cluster:
+        reports = cluster.run(tasks.mismatch_then_retry, calls, None, timeout=60)
+    assert [r["error"] for r in reports] == [qualified(ringcore.MismatchError)] * 3, reports
+    assert all("rank 1 passed (100001,)" in r["message"] for r in reports), reports
