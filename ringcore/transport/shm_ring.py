@@ -48,8 +48,8 @@ PREFIX = "ringcore-"
 CONTROL_BYTES = 64  # the consumer counter, alone on its cache line
 SLOT_HEADER_BYTES = 64
 HEADER_FIELDS = 6  # ready, tag, signature, nbytes, offset, length
-MAX_SLOTS = 8
-MIN_SLOT_BYTES = 4096
+MAX_SLOTS = 16
+MAX_SLOT_BYTES = 256 * 1024
 
 
 def supported() -> str | None:
@@ -67,13 +67,20 @@ def new_name(kind: str) -> str:
 
 
 def layout(total: int, rings: int) -> tuple[int, int, int]:
-    """``(ring_bytes, slots, slot_bytes)`` for ``rings`` rings in ``total`` bytes; slots 0 if too small."""
+    """``(ring_bytes, slots, slot_bytes)`` for ``rings`` rings in ``total`` bytes; slots 0 if too small.
+
+    Slots hold a power of two (at most ``MAX_SLOT_BYTES``), so a segment of
+    the executors (a power of two) goes in whole pieces, not a full one and a
+    sliver; at least two slots, so the writer fills one while the reader
+    empties the other.
+    """
     ring_bytes = (total // rings) // 64 * 64
     room = ring_bytes - CONTROL_BYTES
-    slots = max(2, min(MAX_SLOTS, room // (MIN_SLOT_BYTES + SLOT_HEADER_BYTES)))
-    slot_bytes = (room // slots - SLOT_HEADER_BYTES) // 64 * 64
-    if slot_bytes < 64:
+    fit = room // 2 - SLOT_HEADER_BYTES
+    if fit < 64:
         return ring_bytes, 0, 0
+    slot_bytes = min(MAX_SLOT_BYTES, 1 << (fit.bit_length() - 1))
+    slots = min(MAX_SLOTS, room // (slot_bytes + SLOT_HEADER_BYTES))
     return ring_bytes, slots, slot_bytes
 
 

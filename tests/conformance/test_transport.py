@@ -84,10 +84,11 @@ def rdma_fake_mesh(size: int, channels: int, fabric: FakeFabric | None = None, d
     return transports
 
 
-def shm_mesh(size: int, channels: int, shm_bytes: int = 256 << 10) -> list:
+def shm_mesh(size: int, channels: int, shm_bytes: int = 64 << 10) -> list:
     """Shared memory between ranks of this process (threads), over a TCP mesh of the same ranks.
 
-    256 KiB per pair: 8 slots of ~32 KiB, so large frames go in many pieces around the ring.
+    64 KiB per pair (the least RINGCORE_SHM_BYTES allows): 3 slots of 16 KiB, so large frames
+    go in many pieces around the ring and the writer often waits for a slot.
     """
     controls = tcp_mesh(size, channels)
     made = in_parallel(
