@@ -10,6 +10,7 @@ nothing in ``/dev/shm``; ranks that disagree fail with ``MismatchError``.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -108,3 +109,31 @@ def test_mismatch_fails_every_rank() -> None:
         reports = cluster.run(tasks.mismatch_then_retry, calls, None, timeout=60)
     assert [r["error"] for r in reports] == [qualified(ringcore.MismatchError)] * 3, reports
     assert all("rank 1 passed (100001,)" in r["message"] for r in reports), reports
+
+
+@pytest.mark.timeout(150)
+def test_stopped_rank_times_out(tmp_path: Path) -> None:
+    """A stopped local rank (SIGSTOP) moves nothing in shared memory: the others time out, none hangs."""
+    victim, survivors = 1, [0, 2]
+    fault = (victim, "sigstop", str(tmp_path / "stopped_at"), 0.5)
+    with Cluster(3, env={**SHM, "RINGCORE_TIMEOUT": "3"}) as cluster:
+        try:
+            stopped = Background(
+                cluster, tasks.allreduce_until_failure, 2_000_000, 3, fault, ranks=[victim], timeout=90
+            )
+            working = Background(
+                cluster, tasks.allreduce_until_failure, 2_000_000, 3, fault, ranks=survivors, timeout=90
+            )
+            reports = working.join(60)
+            read_stamp(fault[2])
+            for rank, report in zip(survivors, reports, strict=True):
+                assert report["error"] == qualified(ringcore.CollectiveTimeout), (rank, report)
+                assert report["rounds"] >= 1 and report["untouched"], (rank, report)
+            cluster.kill(victim, signal.SIGCONT)
+            (resumed,) = stopped.join(60)
+            assert resumed["error"] in (
+                qualified(ringcore.CollectiveTimeout),
+                qualified(ringcore.PeerFailure),
+            )
+        finally:
+            cluster.kill(victim, signal.SIGCONT)
