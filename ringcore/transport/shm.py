@@ -57,6 +57,7 @@ import os
 import socket
 import struct
 import time
+from collections import deque
 from typing import Any
 
 import msgpack
@@ -71,7 +72,7 @@ from ringcore.transport.wire import ProtocolError
 log = logging.getLogger("ringcore")
 
 TIGHT_SPIN = 50e-6  # seconds of polling without a syscall before yielding
-MAX_NAP = 500e-6  # the longest sleep between polls while waiting
+MAX_NAP = 100e-6  # the longest sleep between polls while waiting
 _YIELDS_PER_TCP_POLL = 8
 _warned_fallback = False
 
@@ -86,8 +87,8 @@ class _Link:
         self.channel = channel
         self.outbound = outbound
         self.inbound = inbound
-        self.sends: list[tuple[Request, int, int]] = []  # (request, signature, bytes written)
-        self.recvs: list[tuple[Request, int, int]] = []  # (request, signature, bytes read)
+        self.sends: deque[tuple[Request, int, int]] = deque()  # (request, signature, bytes written)
+        self.recvs: deque[tuple[Request, int, int]] = deque()  # (request, signature, bytes read)
 
     def push(self) -> bool:
         """Write pieces of queued sends while slots are free."""
@@ -101,7 +102,7 @@ class _Link:
             done += length
             if done == request.nbytes:
                 request.done = True
-                self.sends.pop(0)
+                self.sends.popleft()
             else:
                 self.sends[0] = (request, signature, done)
         return moved
@@ -133,7 +134,7 @@ class _Link:
             done += length
             if done == request.nbytes:
                 request.done = True
-                self.recvs.pop(0)
+                self.recvs.popleft()
             else:
                 self.recvs[0] = (request, signature, done)
         return moved
