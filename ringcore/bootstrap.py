@@ -129,7 +129,7 @@ def bootstrap(world: WorldSpec, settings: Settings, meeting: Meeting | None = No
                 settings.init_timeout,
             )
             device = None  # the transport owns it now
-        elif settings.transport == "shm":
+        elif settings.transport in ("shm", "auto"):
             transport = _open_shm(transport, settings)
     except BaseException as err:
         for closable in (listener, store, device):
@@ -236,7 +236,8 @@ def _open_rdma(store: StoreClient, world: WorldSpec, settings: Settings) -> tupl
     """Open this rank's verbs device and learn every rank's; ``(None, [])`` means use TCP.
 
     Every rank publishes its queue pairs, or why it cannot use RDMA. With
-    ``RINGCORE_TRANSPORT=auto`` one rank without RDMA makes every rank use TCP;
+    ``RINGCORE_TRANSPORT=auto`` one rank without RDMA makes every rank use TCP
+    (and shared memory between ranks on one host, see ``_open_shm``);
     with ``ibverbs`` it is an error on every rank, naming that rank.
     """
     from ringcore.transport import ibverbs
@@ -263,19 +264,31 @@ def _open_rdma(store: StoreClient, world: WorldSpec, settings: Settings) -> tupl
     culprit, why = min(failed.items())
     if settings.transport == "ibverbs":
         raise ConfigError(f"RINGCORE_TRANSPORT=ibverbs, but rank {culprit} cannot use RDMA: {why}")
-    log.info("RINGCORE_TRANSPORT=auto: using TCP because rank %d cannot use RDMA: %s", culprit, why)
+    log.info(
+        "RINGCORE_TRANSPORT=auto: using TCP (shared memory on one host) because rank %d cannot use RDMA: %s",
+        culprit,
+        why,
+    )
     return None, []
 
 
-def _open_shm(control: TcpTransport, settings: Settings) -> ShmTransport:
-    """``RINGCORE_TRANSPORT=shm``: shared memory to the ranks on this host, the TCP mesh to the rest."""
+def _open_shm(control: TcpTransport, settings: Settings) -> ShmTransport | TcpTransport:
+    """Shared memory to the ranks on this host, the TCP mesh to the rest.
+
+    ``RINGCORE_TRANSPORT=shm`` always wraps the mesh; ``auto`` (RDMA was not
+    possible) hands back the plain TCP transport when no peer shares this
+    rank's host, so ranks alone on their host pay nothing for the wrapper.
+    """
     from ringcore.transport import shm
 
     try:
-        return shm.connect(control, settings.shm_bytes, settings.init_timeout)
+        transport = shm.connect(control, settings.shm_bytes, settings.init_timeout)
     except BaseException:
         control.close()
         raise
+    if settings.transport == "auto" and not transport.links:
+        return control  # nothing of shared memory is held without links
+    return transport
 
 
 def _secret(settings: Settings) -> bytes:

@@ -69,8 +69,10 @@ class Settings:
     stall_warning: float = 60.0
     stall_shutdown: float | None = None
     gpu_staging_bytes: int = 8 * MIB  # pinned host memory per connection and direction (GPU buffers)
-    transport: str = "tcp"  # tcp | shm | ibverbs | auto
-    shm_bytes: int = 4 * MIB  # RINGCORE_TRANSPORT=shm: shared memory per ordered pair of local ranks
+    # tcp | shm | ibverbs | auto. auto: RDMA when every rank can; else shared memory between the
+    # ranks on one host (x86-64, room in /dev/shm; otherwise TCP, with one warning) and TCP between hosts.
+    transport: str = "tcp"
+    shm_bytes: int = 4 * MIB  # RINGCORE_TRANSPORT=shm or auto: shared memory per ordered pair of local ranks
     ib_device: str | None = None
     ib_port: int = 1
     ib_gid_index: int | None = None

@@ -21,12 +21,17 @@ payload into the view and releases the slot. FIFO per ``(peer, channel)``
 holds because each ring is one stream.
 
 Waiting. ``progress`` polls the rings; with nothing to move it polls them in
-a tight loop for ``TIGHT_SPIN`` s, then with ``sched_yield`` between polls
-until ``spin`` s (``RINGCORE_SPIN_US``), then naps (doubling up to
-``MAX_NAP``), so a rank waiting for a peer on the same core hands it the
-CPU. From the first yield on it also polls the TCP sockets (the wrapped
-transport's ``progress(0)``), so an ABORT or a dead peer is seen while
-waiting on shared memory.
+a tight loop for ``TIGHT_SPIN`` s (no syscalls), then with ``sched_yield``
+between polls until ``spin`` s (``RINGCORE_SPIN_US``), polling the TCP
+sockets too every few yields (the wrapped transport's ``progress(0)``), so an
+ABORT or a dead peer is seen while waiting on shared memory. Then it blocks,
+like TCP's ``poll``, on something the kernel wakes: one ``poll`` over this
+rank's doorbell FIFO and the TCP mesh's sockets, having said in the rings it
+waits on that it sleeps (the protocol: "Doorbells" in
+:mod:`ringcore.transport.shm_ring`). A peer that publishes a piece (or frees a
+slot this rank waits for) rings the doorbell, a frame, ABORT or hang-up on
+TCP wakes it as TCP would, and every block lasts at most ``BLOCK_MAX`` s, the
+bound on a wake-up lost to store-load reordering.
 
 Set-up (``connect``), three rounds of small messages over the authenticated
 TCP mesh, to every peer:
@@ -36,13 +41,14 @@ TCP mesh, to every peer:
    A peer is local only if the identity matches *and* it can read the probe:
    two containers with one hostname and separate ``/dev/shm`` are not fooled.
 2. segments: whether this rank judged the peer local, and if so the name and
-   layout of the segment it made for it (a failure to make one, e.g.
-   ``/dev/shm`` too small, makes the pair use TCP, with one warning naming
-   ``RINGCORE_SHM_BYTES``).
-3. mapped: whether this rank mapped the peer's segment. The receiver unlinks
-   a segment as soon as it has mapped it, and the sender unlinks it (again)
-   after this round, so once ``connect`` returns nothing of the job is left
-   in ``/dev/shm`` whatever happens to any rank later. A pair is carried by
+   layout of the segment it made for it and the name of its doorbell FIFO
+   (a failure to make one, e.g. ``/dev/shm`` too small, makes the pair use
+   TCP, with one warning naming ``RINGCORE_SHM_BYTES``).
+3. mapped: whether this rank mapped the peer's segment and opened its
+   doorbell. The receiver unlinks a segment as soon as it has mapped it, the
+   sender unlinks it (again) after this round, and so does each rank its
+   doorbell, so once ``connect`` returns nothing of the job is left in
+   ``/dev/shm`` whatever happens to any rank later. A pair is carried by
    shared memory only if both ranks said yes in every round.
 
 Only the window between making a segment and the end of set-up can leave a
@@ -52,8 +58,10 @@ readable only by the job's user.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
 import socket
 import struct
 import time
@@ -65,28 +73,30 @@ import msgpack
 from ringcore.errors import CollectiveTimeout
 from ringcore.transport import shm_ring
 from ringcore.transport.base import FrameMismatch, Request
-from ringcore.transport.shm_ring import Ring, Segment
+from ringcore.transport.shm_ring import Doorbell, Ring, Segment
 from ringcore.transport.tcp import TcpTransport, needed_links
 from ringcore.transport.wire import ProtocolError
 
 log = logging.getLogger("ringcore")
 
 TIGHT_SPIN = 50e-6  # seconds of polling without a syscall before yielding
-MAX_NAP = 100e-6  # the longest sleep between polls while waiting
+BLOCK_MAX = 1e-3  # the longest block in poll: what a lost wake-up may cost (shm_ring, "Lost wake-ups")
 _YIELDS_PER_TCP_POLL = 8
+_LIVENESS_EVENTS = select.POLLIN | getattr(select, "POLLRDHUP", 0x2000)
 _warned_fallback = False
 
 
 class _Link:
     """One ``(peer, channel)`` carried by shared memory: the ring out, the ring in, their queues."""
 
-    __slots__ = ("channel", "inbound", "outbound", "peer", "recvs", "sends")
+    __slots__ = ("bell", "channel", "inbound", "outbound", "peer", "recvs", "sends")
 
-    def __init__(self, peer: int, channel: int, outbound: Ring, inbound: Ring) -> None:
+    def __init__(self, peer: int, channel: int, outbound: Ring, inbound: Ring, bell: int) -> None:
         self.peer = peer
         self.channel = channel
         self.outbound = outbound
         self.inbound = inbound
+        self.bell = bell  # the peer's doorbell, open for writing
         self.sends: deque[tuple[Request, int, int]] = deque()  # (request, signature, bytes written)
         self.recvs: deque[tuple[Request, int, int]] = deque()  # (request, signature, bytes read)
 
@@ -105,6 +115,8 @@ class _Link:
                 self.sends.popleft()
             else:
                 self.sends[0] = (request, signature, done)
+        if moved and ring.reader_waits():
+            shm_ring.ring_bell(self.bell)
         return moved
 
     def pull(self) -> bool:
@@ -114,7 +126,7 @@ class _Link:
         while self.recvs:
             piece = ring.peek()
             if piece is None:
-                return moved
+                break
             request, signature, done = self.recvs[0]
             tag, got_signature, nbytes, offset, length = piece
             if done == 0:
@@ -137,7 +149,24 @@ class _Link:
                 self.recvs.popleft()
             else:
                 self.recvs[0] = (request, signature, done)
+        if moved and ring.writer_waits():
+            shm_ring.ring_bell(self.bell)
         return moved
+
+    def announce(self, episode: int) -> bool:
+        """Say in the rings this link waits on that this rank sleeps; whether it waits on any."""
+        waits = False
+        if self.recvs:
+            self.inbound.reader_asleep[0] = episode
+            waits = True
+        if self.sends and not self.outbound.room():
+            self.outbound.writer_asleep[0] = episode
+            waits = True
+        return waits
+
+    def wake(self) -> None:
+        self.inbound.reader_asleep[0] = 0
+        self.outbound.writer_asleep[0] = 0
 
 
 class ShmTransport:
@@ -147,6 +176,8 @@ class ShmTransport:
         control: the job's TCP mesh; it carries the other peers' frames and everyone's liveness.
         links: ``(peer, channel) -> (outbound ring, inbound ring)`` for the local peers.
         segments: the mapped segments, unmapped at ``close``.
+        doorbell: this rank's FIFO (None without local peers).
+        bells: ``peer -> fd`` of each local peer's doorbell, open for writing.
     """
 
     def __init__(
@@ -154,24 +185,53 @@ class ShmTransport:
         control: TcpTransport,
         links: dict[tuple[int, int], tuple[Ring, Ring]],
         segments: list[Segment],
+        doorbell: Doorbell | None = None,
+        bells: dict[int, int] | None = None,
     ) -> None:
         self.rank = control.rank
         self.size = control.size
         self.channels = control.channels
         self.control = control
-        self.links = {key: _Link(key[0], key[1], out, into) for key, (out, into) in links.items()}
+        bells = bells or {}
+        self.links = {
+            key: _Link(key[0], key[1], out, into, bells[key[0]]) for key, (out, into) in links.items()
+        }
         self.local = sorted({peer for peer, _ in links})
         self.segments = segments
-        self.spin = 200e-6  # seconds of polling before napping (Settings.spin_seconds)
+        self.doorbell = doorbell
+        self.bells = bells
+        self.episode = 0  # the last sleep's number, stored in the rings it waited on
+        self.liveness = select.poll()  # the local peers' TCP connections, which carry no data
+        for peer in self.local:
+            self.liveness.register(control.conns[(peer, 0)].fd, _LIVENESS_EVENTS)
+        self.spin = 200e-6  # seconds of polling before blocking (Settings.spin_seconds)
         self.current = (-1, 0)
         self.closed = False
         self._remote: list[Request] = []  # requests handed to the TCP transport, not yet seen done
 
+    @property
+    def conns(self) -> dict[tuple[int, int], Any]:
+        """The wrapped mesh's connections: every peer's liveness, and the data of peers on other hosts."""
+        return self.control.conns
+
     # -- the Transport contract ---------------------------------------------------------------
 
     def expect(self, seq: int, signature: int) -> None:
+        """Start collective ``seq``: first, any news of the local peers on TCP (one ``poll``).
+
+        A collective over shared memory may never wait long enough to look at
+        TCP, so without this a local peer that aborted, shut down or lost its
+        connections would go unnoticed for as long as its rings keep moving.
+        """
         self.current = (seq & 0xFFFFFFFF, signature)
         self.control.expect(seq, signature)
+        if self.local and self.liveness.poll(0):
+            self._tcp_news()
+            for peer in self.local:
+                conn = self.control.conns[(peer, 0)]
+                if conn.departed or conn.early:  # its EOF or data stays readable: stop asking
+                    with contextlib.suppress(KeyError):
+                        self.liveness.unregister(conn.fd)
         self._check_idle()
 
     def route(self, peer: int, segment: int) -> int:
@@ -233,6 +293,11 @@ class ShmTransport:
         self.links = {}
         for segment in self.segments:
             segment.close()
+        for fd in self.bells.values():
+            os.close(fd)
+        self.bells = {}
+        if self.doorbell is not None:
+            self.doorbell.close()
 
     # -- moving and waiting --------------------------------------------------------------------
 
@@ -256,25 +321,60 @@ class ShmTransport:
         return moved
 
     def _wait(self, timeout: float) -> bool:
-        """Poll until something moves or ``timeout`` s pass (see "Waiting" in the module docstring)."""
+        """Poll, then block, until something moves or ``timeout`` s pass ("Waiting", module docstring)."""
         start = time.perf_counter()
         deadline = start + timeout
-        nap, polls = 0.0, 0
+        polls = 0
         while True:
             now = time.perf_counter()
             if now > deadline:
                 return False
             if now - start > TIGHT_SPIN:
-                if now - start < self.spin:
-                    os.sched_yield()
-                else:
-                    nap = min(MAX_NAP, nap * 2 or 20e-6, deadline - now)
-                    time.sleep(nap)
+                if now - start >= self.spin and self.doorbell is not None:
+                    return self._block(deadline)
+                os.sched_yield()
                 polls += 1
-                if (nap or polls % _YIELDS_PER_TCP_POLL == 0) and self._tcp_news():
+                if polls % _YIELDS_PER_TCP_POLL == 0 and self._tcp_news():
                     return True
             if self._pump():
                 return True
+
+    def _block(self, deadline: float) -> bool:
+        """Sleep in ``poll`` on the doorbell and the TCP sockets, ``BLOCK_MAX`` s at a time, until news."""
+        assert self.doorbell is not None
+        while True:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return False
+            self.episode += 1
+            waiting = [link for link in self.links.values() if link.announce(self.episode)]
+            try:
+                os.sched_yield()  # releases the GIL: a locked instruction, so a fence (shm_ring)
+                if self._pump():
+                    return True
+                poller = self._poller()
+                ready = poller.poll(max(1, int(min(BLOCK_MAX, left) * 1000)))
+            finally:
+                for link in waiting:
+                    link.wake()
+            bell = any(fd == self.doorbell.fd for fd, _ in ready)
+            if bell:
+                self.doorbell.drain()
+            if self._pump():
+                return True
+            if (len(ready) > bell or not ready) and self._tcp_news():
+                return True
+
+    def _poller(self) -> select.poll:
+        """This rank's doorbell and every TCP socket with something to wait for, as ``TcpTransport`` polls."""
+        assert self.doorbell is not None
+        poller = select.poll()
+        poller.register(self.doorbell.fd, select.POLLIN)
+        for conn in self.control.conns.values():
+            events = conn.poll_events()
+            if events:
+                poller.register(conn.fd, events)
+        return poller
 
     def _tcp_news(self) -> bool:
         """Poll the TCP side once: its own frames, and ABORT, BYE or hang-up of local peers."""
@@ -329,30 +429,44 @@ def connect(control: TcpTransport, shm_bytes: int, timeout: float) -> ShmTranspo
     probe, token = (None, "") if why_not else _make_probe()
     made: dict[int, Segment] = {}
     mapped: dict[int, Segment] = {}
+    bells: dict[int, int] = {}
+    doorbell: Doorbell | str | None = None
     try:
         me = {"host": _host_identity(), "probe": probe or "", "token": token}
         theirs = _exchange(control, dict.fromkeys(peers, me), timeout)
         local = [peer for peer in peers if not why_not and _is_local(me, theirs[peer])]
+        twins = [peer for peer in peers if theirs[peer].get("host") == me["host"]]
+        if why_not and twins:
+            _fall_back(twins[0], why_not, "")
         links = needed_links(control.rank, control.size, control.channels)
         rings = {peer: sum(1 for p, _ in links if p == peer) for peer in local}
-        offers = {peer: _offer(peer, rings[peer], shm_bytes, made) for peer in local}
+        doorbell = _make_doorbell() if local else None
+        offers = {peer: _offer(peer, rings[peer], shm_bytes, made, doorbell) for peer in local}
         answers = _exchange(control, {peer: offers.get(peer, {}) for peer in peers}, timeout)
         if probe is not None:
             shm_ring.unlink(probe)
         for peer in local:
             if peer in made and answers[peer].get("segment"):
-                _attach(peer, answers[peer], mapped)
+                _attach(peer, answers[peer], mapped, bells)
         done = _exchange(control, {peer: {"mapped": peer in mapped} for peer in peers}, timeout)
     except BaseException:
         for segment in (*made.values(), *mapped.values()):
             shm_ring.unlink(segment.name)
             segment.close()
+        for fd in bells.values():
+            os.close(fd)
+        if isinstance(doorbell, Doorbell):
+            shm_ring.unlink(doorbell.name)
+            doorbell.close()
         if probe is not None:
             shm_ring.unlink(probe)
         raise
     for segment in made.values():
         shm_ring.unlink(segment.name)
-    return _assemble(control, made, mapped, answers, done, links)
+    if isinstance(doorbell, Doorbell):
+        shm_ring.unlink(doorbell.name)
+    ours = doorbell if isinstance(doorbell, Doorbell) else None
+    return _assemble(control, made, mapped, answers, done, links, ours, bells)
 
 
 def _assemble(
@@ -362,8 +476,10 @@ def _assemble(
     answers: dict[int, dict[str, Any]],
     done: dict[int, dict[str, Any]],
     links: list[tuple[int, int]],
+    doorbell: Doorbell | None,
+    bells: dict[int, int],
 ) -> ShmTransport:
-    """The transport over the pairs where both sides mapped; the other segments are dropped."""
+    """The transport over the pairs where both sides mapped; the other segments and doorbells are dropped."""
     rings: dict[tuple[int, int], tuple[Ring, Ring]] = {}
     kept: list[Segment] = []
     for peer in sorted(made):
@@ -371,6 +487,7 @@ def _assemble(
             made[peer].close()
             if peer in mapped:
                 mapped.pop(peer).close()
+                os.close(bells.pop(peer))
             continue
         out_layout = shm_ring.layout(made[peer].region.size(), _count(links, peer))
         in_layout = tuple(answers[peer]["layout"])
@@ -383,7 +500,10 @@ def _assemble(
         kept += [made[peer], mapped[peer]]
     if rings:
         log.info("rank %d: shared memory to ranks %s", control.rank, sorted({p for p, _ in rings}))
-    return ShmTransport(control, rings, kept)
+    elif doorbell is not None:
+        doorbell.close()
+        doorbell = None
+    return ShmTransport(control, rings, kept, doorbell, bells)
 
 
 def _count(links: list[tuple[int, int]], peer: int) -> int:
@@ -396,11 +516,24 @@ def _ring(segment: Segment, index: int, layout: tuple[int, ...]) -> Ring:
     return Ring(segment.bytes[index * ring_bytes : (index + 1) * ring_bytes], slots, slot_bytes)
 
 
-def _offer(peer: int, rings: int, shm_bytes: int, made: dict[int, Segment]) -> dict[str, Any]:
-    """Make the segment this rank writes to ``peer``; what to tell the peer about it."""
+def _make_doorbell() -> Doorbell | str:
+    """This rank's doorbell, or why it could not make one."""
+    try:
+        return Doorbell.create()
+    except OSError as err:
+        return f"could not make a FIFO in {shm_ring.SHM_DIR}: {err.strerror or err}"
+
+
+def _offer(
+    peer: int, rings: int, shm_bytes: int, made: dict[int, Segment], doorbell: Doorbell | str | None
+) -> dict[str, Any]:
+    """Make the segment this rank writes to ``peer``; what to tell the peer about it and the doorbell."""
     ring_bytes, slots, slot_bytes = shm_ring.layout(shm_bytes, rings)
     if not slots:
         _fall_back(peer, f"{shm_bytes} bytes cannot hold {rings} rings of slots")
+        return {"local": True}
+    if not isinstance(doorbell, Doorbell):
+        _fall_back(peer, str(doorbell))
         return {"local": True}
     try:
         made[peer] = Segment.create(ring_bytes * rings)
@@ -408,26 +541,39 @@ def _offer(peer: int, rings: int, shm_bytes: int, made: dict[int, Segment]) -> d
         _fall_back(peer, f"{shm_ring.SHM_DIR}: {err.strerror or err}")
         return {"local": True}
     layout = [ring_bytes, slots, slot_bytes]
-    return {"local": True, "segment": made[peer].name, "bytes": ring_bytes * rings, "layout": layout}
+    return {
+        "local": True,
+        "segment": made[peer].name,
+        "bytes": ring_bytes * rings,
+        "layout": layout,
+        "bell": doorbell.name,
+    }
 
 
-def _attach(peer: int, answer: dict[str, Any], mapped: dict[int, Segment]) -> None:
+def _attach(peer: int, answer: dict[str, Any], mapped: dict[int, Segment], bells: dict[int, int]) -> None:
+    """Map the peer's segment and open its doorbell; on failure neither (the pair uses TCP)."""
     try:
-        mapped[peer] = Segment.attach(str(answer["segment"]), int(answer["bytes"]))
+        segment = Segment.attach(str(answer["segment"]), int(answer["bytes"]))
     except OSError as err:
         _fall_back(peer, f"could not map its segment: {err}")
+        return
+    try:
+        bells[peer] = shm_ring.open_bell(str(answer.get("bell", "")))
+    except OSError as err:
+        segment.close()
+        _fall_back(peer, f"could not open its doorbell: {err}")
+        return
+    mapped[peer] = segment
 
 
-def _fall_back(peer: int, why: str) -> None:
+_ADVICE = f". Free space in {shm_ring.SHM_DIR} or lower RINGCORE_SHM_BYTES (bytes per pair of ranks)"
+
+
+def _fall_back(peer: int, why: str, advice: str = _ADVICE) -> None:
+    """Warn, once per process, that a pair of ranks on one host uses TCP."""
     global _warned_fallback
     if not _warned_fallback:
-        log.warning(
-            "shared memory to rank %d is not possible (%s); that pair uses TCP. Free space in %s or "
-            "lower RINGCORE_SHM_BYTES (bytes per pair of ranks)",
-            peer,
-            why,
-            shm_ring.SHM_DIR,
-        )
+        log.warning("shared memory to rank %d is not possible (%s); that pair uses TCP%s", peer, why, advice)
         _warned_fallback = True
 
 

@@ -5,7 +5,8 @@ only writer of its slots; the receiver is the only writer of each ring's
 consumer counter. A segment holds one ring per channel the pair is connected
 on (``needed_links``), each ``ring_bytes`` long::
 
-    ring:  [released u64, pad to 64 B] [slot 0] [slot 1] ... [slot n-1]
+    ring:  [released u64 | reader asleep u64 | pad to 64 B] [writer asleep u64 | pad to 64 B]
+           [slot 0] [slot 1] ... [slot n-1]
     slot:  [ready u64 | tag u64 | signature u64 | nbytes u64 | offset u64 | length u64 | pad] [payload]
 
 A frame of ``nbytes`` goes in pieces of at most ``slot_bytes``, one per slot,
@@ -15,6 +16,28 @@ ring (k = 0, 1, ...) goes in slot ``k % n``, and is published by storing
 waits for ``ready == k + 1``, checks the header, copies the payload out and
 stores ``released = k + 1``; the writer reuses a slot only once
 ``k - released < n``. The counters never wrap (64 bits).
+
+Doorbells. A side that has waited long enough blocks in ``poll`` instead of
+polling the ring. Each rank owns one FIFO (:class:`Doorbell`) that every
+local peer holds open for writing. Before blocking, the side stores a fresh
+non-zero episode number in its "asleep" word of each ring it waits on (the
+reader's word when it waits for a piece, the writer's when it waits for a
+free slot), looks at the rings once more, then blocks on its FIFO. The
+other side, after publishing (writer) or releasing (reader), reads the word
+and, if it holds an episode it has not rung for yet, writes one byte to the
+FIFO: at most one byte per peer per episode, and no syscall at all while
+nobody sleeps. The waker never writes the word, so each word keeps one
+writer.
+
+Lost wake-ups. "Store the word, then load the counter" on one side against
+"store the counter, then load the word" on the other is the pattern x86's
+TSO does *not* keep in order (a store may wait in the store buffer while a
+later load runs), and Python has no fence: both sides can miss each other.
+The sleeper releases the GIL between its store and its last look (a
+``sched_yield``, whose mutex is a locked instruction, a full fence on x86),
+which closes its half; the waker's half stays open, so every block is
+bounded (``BLOCK_MAX`` in :mod:`ringcore.transport.shm`) and a lost wake-up
+costs at most that.
 
 Memory order. Single-writer counters stored as aligned ``np.uint64`` are
 single instructions; x86-64 keeps stores in program order and loads in
@@ -40,12 +63,13 @@ import mmap
 import os
 import platform
 import secrets
+import stat
 
 import numpy as np
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ringcore-"
-CONTROL_BYTES = 64  # the consumer counter, alone on its cache line
+CONTROL_BYTES = 128  # the reader's line (released, asleep), then the writer's (asleep)
 SLOT_HEADER_BYTES = 64
 HEADER_FIELDS = 6  # ready, tag, signature, nbytes, offset, length
 MAX_SLOTS = 16
@@ -153,7 +177,11 @@ class Ring:
     def __init__(self, data: np.ndarray, slots: int, slot_bytes: int) -> None:
         self.slots = slots
         self.slot_bytes = slot_bytes
-        self.released = data[:8].view(np.uint64)  # written by the reader only
+        control = data[:CONTROL_BYTES].view(np.uint64)
+        self.released = control[0:1]  # written by the reader only
+        self.reader_asleep = control[1:2]  # the reader's episode while it blocks, else 0
+        self.writer_asleep = control[8:9]  # the writer's likewise, on its own cache line
+        self.rung = 0  # the other side's last episode this side has rung for
         stride = SLOT_HEADER_BYTES + slot_bytes
         self.headers = [
             data[CONTROL_BYTES + i * stride : CONTROL_BYTES + i * stride + 8 * HEADER_FIELDS].view(np.uint64)
@@ -182,6 +210,14 @@ class Ring:
         self.count += 1
         header[0] = self.count  # last: the piece is now the reader's
 
+    def reader_waits(self) -> bool:
+        """Whether the reader sleeps in an episode this writer has not rung for (then it must ring)."""
+        episode = int(self.reader_asleep[0])
+        if episode == 0 or episode == self.rung:
+            return False
+        self.rung = episode
+        return True
+
     # -- the reader's side
 
     def peek(self) -> tuple[int, int, int, int, int] | None:
@@ -200,8 +236,78 @@ class Ring:
         self.count += 1
         self.released[0] = self.count
 
+    def writer_waits(self) -> bool:
+        """Whether the writer sleeps (for a free slot) in an episode this reader has not rung for."""
+        episode = int(self.writer_asleep[0])
+        if episode == 0 or episode == self.rung:
+            return False
+        self.rung = episode
+        return True
+
     def drop(self) -> None:
         """Forget the mapped arrays so the segment can be unmapped."""
         self.headers = []
         self.payloads = []
-        self.released = np.zeros(1, np.uint64)
+        self.released = self.reader_asleep = self.writer_asleep = np.zeros(1, np.uint64)
+
+
+class Doorbell:
+    """This rank's FIFO in ``/dev/shm``, which local peers write a byte to to wake it (module docstring).
+
+    Made like a segment (mode 0600, unguessable name, unlinked once every
+    peer opened it). This rank holds it open read-write, so it never reads
+    EOF whatever the writers do, and non-blocking, so draining stops at empty.
+    """
+
+    def __init__(self, name: str, fd: int) -> None:
+        self.name = name
+        self.fd = fd
+
+    @classmethod
+    def create(cls) -> Doorbell:
+        """Make and open a fresh FIFO.
+
+        Raises:
+            OSError: ``/dev/shm`` is missing or does not allow it.
+        """
+        name = new_name("bell")
+        path = os.path.join(SHM_DIR, name)
+        os.mkfifo(path, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except BaseException:
+            unlink(name)
+            raise
+        return cls(name, fd)
+
+    def drain(self) -> None:
+        """Read every byte rung so far."""
+        with contextlib.suppress(BlockingIOError):
+            while len(os.read(self.fd, 4096)) == 4096:
+                pass
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def open_bell(name: str) -> int:
+    """Open a peer's doorbell for writing (non-blocking: a full FIFO already wakes its owner).
+
+    Raises:
+        OSError: not a ringcore FIFO, or gone.
+    """
+    if not name.startswith(PREFIX) or "/" in name:
+        raise OSError(f"not a ringcore doorbell name: {name!r}")
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{name} is not a FIFO")
+    return fd
+
+
+def ring_bell(fd: int) -> None:
+    """Wake the owner of the doorbell ``fd``; a full FIFO will wake it anyway, a gone one is TCP's news."""
+    with contextlib.suppress(BlockingIOError, BrokenPipeError):
+        os.write(fd, b"\0")

@@ -137,3 +137,15 @@ def test_stopped_rank_times_out(tmp_path: Path) -> None:
             )
         finally:
             cluster.kill(victim, signal.SIGCONT)
+
+
+@pytest.mark.timeout(120)
+def test_auto_uses_shared_memory_between_ranks_on_one_host() -> None:
+    """``RINGCORE_TRANSPORT=auto`` without RDMA: every pair of these ranks shares this host."""
+    size = 3
+    inputs = [np.full(300_000, rank + 1, np.float32) for rank in range(size)]
+    with Cluster(size, env={"RINGCORE_TRANSPORT": "auto", "RINGCORE_TIMEOUT": "20"}, timeout=60) as cluster:
+        for rank, report in enumerate(cluster.results(shm_peers)):
+            assert report == {"transport": "ShmTransport", "local": [p for p in range(size) if p != rank]}
+        for rank, got in enumerate(cluster.results(tasks.allreduce, inputs, "sum", timeout=60)):
+            check_allreduce(got, inputs, "sum", where=f"rank {rank}:")

@@ -5,10 +5,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
 
+from ringcore import bootstrap
+from ringcore.config import Settings
 from ringcore.transport import shm, shm_ring
 from ringcore.transport.shm_ring import Ring, Segment
 from tests.conformance.test_transport import SIG, drive, in_parallel, tcp_mesh, view
@@ -99,3 +103,73 @@ def test_ring_reuses_a_slot_only_once_released() -> None:
     assert out == bytes([0]) * slot_bytes and writer.room()
     assert shm_ring.layout(4 << 20, 1) == (4 << 20, 15, 256 << 10)  # RINGCORE_SHM_BYTES' default
     assert shm_ring.layout(64 << 10, 1) == (64 << 10, 3, 16 << 10)  # its minimum
+
+
+def _waiting(transport: shm.ShmTransport, requests: list) -> tuple[threading.Thread, list[float]]:
+    """Drive ``requests`` in a thread, past the spin at once, so it blocks; when they completed."""
+    transport.spin = 0.0
+    done_at: list[float] = []
+
+    def wait() -> None:
+        while not all(r.done for r in requests):
+            transport.progress(2.0)
+        done_at.append(time.perf_counter())
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    time.sleep(0.1)  # blocked in poll by now
+    return thread, done_at
+
+
+def test_a_blocked_receiver_is_woken_by_its_doorbell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It says in the ring that it sleeps; the sender rings once; no wait for the block's bound."""
+    rung: list[int] = []
+    real = shm_ring.ring_bell
+    monkeypatch.setattr(shm_ring, "ring_bell", lambda fd: (rung.append(fd), real(fd)))
+    monkeypatch.setattr(shm, "BLOCK_MAX", 1.0)  # a wake-up by the bound alone would take 1 s
+    receiver, sender = transports = connect_all(2)
+    try:
+        got = np.zeros(4, np.int32)
+        thread, done_at = _waiting(receiver, [receiver.irecv(1, 0, 5, SIG, view(got))])
+        assert int(sender.links[(0, 0)].outbound.reader_asleep[0]) != 0
+        sent_at = time.perf_counter()
+        drive(sender, [sender.isend(0, 0, 5, SIG, view(np.arange(4, dtype=np.int32)))])
+        thread.join(5)
+        assert done_at and done_at[0] - sent_at < 0.5, "the receiver was not woken by the doorbell"
+        np.testing.assert_array_equal(got, [0, 1, 2, 3])
+        assert rung == [sender.bells[0]]
+        assert int(sender.links[(0, 0)].outbound.reader_asleep[0]) == 0  # awake again: no more rings
+    finally:
+        close_all(transports)
+
+
+def test_a_sender_blocked_on_a_full_ring_is_woken_when_a_slot_frees(monkeypatch: pytest.MonkeyPatch) -> None:
+    rung: list[int] = []
+    real = shm_ring.ring_bell
+    monkeypatch.setattr(shm_ring, "ring_bell", lambda fd: (rung.append(fd), real(fd)))
+    monkeypatch.setattr(shm, "BLOCK_MAX", 1.0)
+    receiver, sender = transports = connect_all(2, shm_bytes=64 << 10)  # 3 slots of 16 KiB
+    try:
+        data = np.arange(16 << 10, dtype=np.int32)  # 64 KiB: 4 pieces, one more than the ring holds
+        thread, done_at = _waiting(sender, [sender.isend(0, 0, 5, SIG, view(data))])
+        assert int(receiver.links[(1, 0)].inbound.writer_asleep[0]) != 0
+        got = np.zeros_like(data)
+        freed_at = time.perf_counter()
+        drive(receiver, [receiver.irecv(1, 0, 5, SIG, view(got))])
+        thread.join(5)
+        assert done_at and done_at[0] - freed_at < 0.5, "the sender was not woken by the doorbell"
+        np.testing.assert_array_equal(got, data)
+        assert receiver.bells[1] in rung
+    finally:
+        close_all(transports)
+
+
+def test_auto_without_local_peers_keeps_the_plain_tcp_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm, "_is_local", lambda me, peer: False)  # as if each rank had a host of its own
+    controls = tcp_mesh(2, 1)
+    auto = Settings(transport="auto", shm_bytes=64 << 10, init_timeout=20.0)
+    try:
+        got = in_parallel(*[lambda c=c: bootstrap._open_shm(c, auto) for c in controls])
+        assert got[0] is controls[0] and got[1] is controls[1]
+    finally:
+        close_all(controls)
