@@ -82,6 +82,7 @@ from ringcore.transport.wire import ProtocolError
 log = logging.getLogger("ringcore")
 
 TIGHT_SPIN = 50e-6  # seconds of polling without a syscall before yielding
+LIVENESS_EVERY = 1e-3  # seconds between looks at the local peers' TCP news when a collective starts
 BLOCK_MAX = 1e-3  # the longest block in poll: what a lost wake-up may cost (shm_ring, "Lost wake-ups")
 _YIELDS_PER_TCP_POLL = 8
 _LIVENESS_EVENTS = select.POLLIN | getattr(select, "POLLRDHUP", 0x2000)
@@ -204,6 +205,7 @@ class ShmTransport:
         self.bells = bells
         self.episode = 0  # the last sleep's number, stored in the rings it waited on
         self.liveness = select.poll()  # the local peers' TCP connections, which carry no data
+        self.next_liveness = 0.0  # when expect() may poll them again
         for peer in self.local:
             self.liveness.register(control.conns[(peer, 0)].fd, _LIVENESS_EVENTS)
         self.spin = 200e-6  # seconds of polling before blocking (Settings.spin_seconds)
@@ -225,16 +227,21 @@ class ShmTransport:
         A collective over shared memory may never wait long enough to look at
         TCP, so without this a local peer that aborted, shut down or lost its
         connections would go unnoticed for as long as its rings keep moving.
+        At most every ``LIVENESS_EVERY`` s: the ``poll`` costs about 0.5 us,
+        a tenth of a 4 KiB allreduce's advantage over TCP at N=2.
         """
         self.current = (seq & 0xFFFFFFFF, signature)
         self.control.expect(seq, signature)
-        if self.local and self.liveness.poll(0):
-            self._tcp_news()
-            for peer in self.local:
-                conn = self.control.conns[(peer, 0)]
-                if conn.departed or conn.early:  # its EOF or data stays readable: stop asking
-                    with contextlib.suppress(KeyError):
-                        self.liveness.unregister(conn.fd)
+        now = time.perf_counter()
+        if self.local and now > self.next_liveness:
+            self.next_liveness = now + LIVENESS_EVERY
+            if self.liveness.poll(0):
+                self._tcp_news()
+                for peer in self.local:
+                    conn = self.control.conns[(peer, 0)]
+                    if conn.departed or conn.early:  # its EOF or data stays readable: stop asking
+                        with contextlib.suppress(KeyError):
+                            self.liveness.unregister(conn.fd)
         self._check_idle()
 
     def route(self, peer: int, segment: int) -> int:
