@@ -118,8 +118,10 @@ class _Link:
                 self.sends.popleft()
             else:
                 self.sends[0] = (request, signature, done)
-        if moved and ring.reader_waits():
-            shm_ring.ring_bell(self.bell)
+        if moved:
+            shm_ring.fence()  # the piece published before the reader's word is read (shm_ring)
+            if ring.reader_waits():
+                shm_ring.ring_bell(self.bell)
         return moved
 
     def pull(self) -> bool:
@@ -152,8 +154,10 @@ class _Link:
                 self.recvs.popleft()
             else:
                 self.recvs[0] = (request, signature, done)
-        if moved and ring.writer_waits():
-            shm_ring.ring_bell(self.bell)
+        if moved:
+            shm_ring.fence()  # the slot released before the writer's word is read
+            if ring.writer_waits():
+                shm_ring.ring_bell(self.bell)
         return moved
 
     def announce(self, episode: int) -> bool:
@@ -359,7 +363,7 @@ class ShmTransport:
             self.episode += 1
             waiting = [link for link in self.links.values() if link.announce(self.episode)]
             try:
-                os.sched_yield()  # releases the GIL: a locked instruction, so a fence (shm_ring)
+                shm_ring.fence()  # the words stored before the rings are read again (shm_ring)
                 if self._pump():
                     return True
                 poller = self._poller()
