@@ -279,10 +279,10 @@ def _open_shm(control: TcpTransport, settings: Settings) -> ShmTransport | TcpTr
     possible) hands back the plain TCP transport when no peer shares this
     rank's host, so ranks alone on their host pay nothing for the wrapper.
     """
-    from ringcore.transport import shm
+    from ringcore.transport import shm_setup
 
     try:
-        transport = shm.connect(control, settings.shm_bytes, settings.init_timeout)
+        transport = shm_setup.connect(control, settings.shm_bytes, settings.init_timeout)
     except BaseException:
         control.close()
         raise

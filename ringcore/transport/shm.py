@@ -24,8 +24,9 @@ Waiting. ``progress`` polls the rings; with nothing to move it polls them in
 a tight loop for ``TIGHT_SPIN`` s (no syscalls; skipped when this host's
 ranks outnumber the CPUs this process may use, where the loop would burn the
 time slice of the peer it waits for: 4 KiB at N=4 on 2 cores took 290 us
-with it, 125-150 us without), then with ``sched_yield`` between polls until ``spin`` s (``RINGCORE_SPIN_US``), polling the TCP
-sockets too every few yields (the wrapped transport's ``progress(0)``), so an
+with it, 125-150 us without), then with ``sched_yield`` between polls
+until ``spin`` s (``RINGCORE_SPIN_US``), polling the TCP sockets too every
+few yields (the wrapped transport's ``progress(0)``), so an
 ABORT or a dead peer is seen while waiting on shared memory. Then it blocks,
 like TCP's ``poll``, on something the kernel wakes: one ``poll`` over this
 rank's doorbell FIFO and the TCP mesh's sockets, having said in the rings it
@@ -35,27 +36,8 @@ slot this rank waits for) rings the doorbell, a frame, ABORT or hang-up on
 TCP wakes it as TCP would, and every block lasts at most ``BLOCK_MAX`` s, the
 bound on a wake-up lost to store-load reordering.
 
-Set-up (``connect``), three rounds of small messages over the authenticated
-TCP mesh, to every peer:
-
-1. identity: hostname and ``/proc/sys/kernel/random/boot_id``, and the name
-   and contents of a probe file this rank made in ``/dev/shm`` (mode 0600).
-   A peer is local only if the identity matches *and* it can read the probe:
-   two containers with one hostname and separate ``/dev/shm`` are not fooled.
-2. segments: whether this rank judged the peer local, and if so the name and
-   layout of the segment it made for it and the name of its doorbell FIFO
-   (a failure to make one, e.g. ``/dev/shm`` too small, makes the pair use
-   TCP, with one warning naming ``RINGCORE_SHM_BYTES``).
-3. mapped: whether this rank mapped the peer's segment and opened its
-   doorbell. The receiver unlinks a segment as soon as it has mapped it, the
-   sender unlinks it (again) after this round, and so does each rank its
-   doorbell, so once ``connect`` returns nothing of the job is left in
-   ``/dev/shm`` whatever happens to any rank later. A pair is carried by
-   shared memory only if both ranks said yes in every round.
-
-Only the window between making a segment and the end of set-up can leave a
-file behind (a rank killed right then); names are unguessable and files are
-readable only by the job's user.
+Set-up: :mod:`ringcore.transport.shm_setup` finds the local peers, makes and
+maps the segments and doorbells, and builds this transport.
 """
 
 from __future__ import annotations
@@ -64,19 +46,14 @@ import contextlib
 import logging
 import os
 import select
-import socket
-import struct
 import time
 from collections import deque
 from typing import Any
 
-import msgpack
-
-from ringcore.errors import CollectiveTimeout
 from ringcore.transport import shm_ring
 from ringcore.transport.base import FrameMismatch, Request
 from ringcore.transport.shm_ring import Doorbell, Ring, Segment
-from ringcore.transport.tcp import TcpTransport, needed_links
+from ringcore.transport.tcp import TcpTransport
 from ringcore.transport.wire import ProtocolError
 
 log = logging.getLogger("ringcore")
@@ -86,7 +63,6 @@ LIVENESS_EVERY = 1e-3  # seconds between looks at the local peers' TCP news when
 BLOCK_MAX = 1e-3  # the longest block in poll: what a lost wake-up may cost (shm_ring, "Lost wake-ups")
 _YIELDS_PER_TCP_POLL = 8
 _LIVENESS_EVENTS = select.POLLIN | getattr(select, "POLLRDHUP", 0x2000)
-_warned_fallback = False
 
 
 class _Link:
@@ -416,237 +392,3 @@ class ShmTransport:
 
 def _bytes(view: memoryview) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-# -- set-up --------------------------------------------------------------------------------------
-
-_SETUP_TAG = 0xFFFFFFFE << 32  # never a collective's: set-up ends before the first collective
-_SETUP_SIGNATURE = 0x5348_4D00  # "SHM"
-_MESSAGE_BYTES = 512
-_LENGTH = struct.Struct("<H")
-
-
-def connect(control: TcpTransport, shm_bytes: int, timeout: float) -> ShmTransport:
-    """Find the peers on this host and connect to them through shared memory (module docstring).
-
-    Args:
-        control: the job's connected TCP mesh; every rank must call this at the same point.
-        shm_bytes: bytes of shared memory per ordered pair (``RINGCORE_SHM_BYTES``).
-        timeout: seconds each round may wait for the peers (``RINGCORE_INIT_TIMEOUT``).
-
-    Raises:
-        PeerFailure: a peer died during set-up.
-        CollectiveTimeout: a peer did not answer within ``timeout`` (is it using ``RINGCORE_TRANSPORT=shm``?).
-    """
-    peers = [peer for peer in range(control.size) if peer != control.rank]
-    why_not = shm_ring.supported()
-    probe, token = (None, "") if why_not else _make_probe()
-    made: dict[int, Segment] = {}
-    mapped: dict[int, Segment] = {}
-    bells: dict[int, int] = {}
-    doorbell: Doorbell | str | None = None
-    try:
-        me = {"host": _host_identity(), "probe": probe or "", "token": token}
-        theirs = _exchange(control, dict.fromkeys(peers, me), timeout)
-        local = [peer for peer in peers if not why_not and _is_local(me, theirs[peer])]
-        twins = [peer for peer in peers if theirs[peer].get("host") == me["host"]]
-        if why_not and twins:
-            _fall_back(twins[0], why_not, "")
-        links = needed_links(control.rank, control.size, control.channels)
-        rings = {peer: sum(1 for p, _ in links if p == peer) for peer in local}
-        doorbell = _make_doorbell() if local else None
-        offers = {peer: _offer(peer, rings[peer], shm_bytes, made, doorbell) for peer in local}
-        answers = _exchange(control, {peer: offers.get(peer, {}) for peer in peers}, timeout)
-        if probe is not None:
-            shm_ring.unlink(probe)
-        for peer in local:
-            if peer in made and answers[peer].get("segment"):
-                _attach(peer, answers[peer], mapped, bells)
-        done = _exchange(control, {peer: {"mapped": peer in mapped} for peer in peers}, timeout)
-    except BaseException:
-        for segment in (*made.values(), *mapped.values()):
-            shm_ring.unlink(segment.name)
-            segment.close()
-        for fd in bells.values():
-            os.close(fd)
-        if isinstance(doorbell, Doorbell):
-            shm_ring.unlink(doorbell.name)
-            doorbell.close()
-        if probe is not None:
-            shm_ring.unlink(probe)
-        raise
-    for segment in made.values():
-        shm_ring.unlink(segment.name)
-    if isinstance(doorbell, Doorbell):
-        shm_ring.unlink(doorbell.name)
-    ours = doorbell if isinstance(doorbell, Doorbell) else None
-    return _assemble(control, made, mapped, answers, done, links, ours, bells)
-
-
-def _assemble(
-    control: TcpTransport,
-    made: dict[int, Segment],
-    mapped: dict[int, Segment],
-    answers: dict[int, dict[str, Any]],
-    done: dict[int, dict[str, Any]],
-    links: list[tuple[int, int]],
-    doorbell: Doorbell | None,
-    bells: dict[int, int],
-) -> ShmTransport:
-    """The transport over the pairs where both sides mapped; the other segments and doorbells are dropped."""
-    rings: dict[tuple[int, int], tuple[Ring, Ring]] = {}
-    kept: list[Segment] = []
-    for peer in sorted(made):
-        if peer not in mapped or not done[peer].get("mapped"):
-            made[peer].close()
-            if peer in mapped:
-                mapped.pop(peer).close()
-                os.close(bells.pop(peer))
-            continue
-        out_layout = shm_ring.layout(made[peer].region.size(), _count(links, peer))
-        in_layout = tuple(answers[peer]["layout"])
-        channels = [channel for p, channel in links if p == peer]
-        for index, channel in enumerate(channels):
-            rings[(peer, channel)] = (
-                _ring(made[peer], index, out_layout),
-                _ring(mapped[peer], index, in_layout),
-            )
-        kept += [made[peer], mapped[peer]]
-    if rings:
-        log.info("rank %d: shared memory to ranks %s", control.rank, sorted({p for p, _ in rings}))
-    elif doorbell is not None:
-        doorbell.close()
-        doorbell = None
-    return ShmTransport(control, rings, kept, doorbell, bells)
-
-
-def _count(links: list[tuple[int, int]], peer: int) -> int:
-    return sum(1 for p, _ in links if p == peer)
-
-
-def _ring(segment: Segment, index: int, layout: tuple[int, ...]) -> Ring:
-    ring_bytes, slots, slot_bytes = layout
-    assert segment.bytes is not None
-    return Ring(segment.bytes[index * ring_bytes : (index + 1) * ring_bytes], slots, slot_bytes)
-
-
-def _make_doorbell() -> Doorbell | str:
-    """This rank's doorbell, or why it could not make one."""
-    try:
-        return Doorbell.create()
-    except OSError as err:
-        return f"could not make a FIFO in {shm_ring.SHM_DIR}: {err.strerror or err}"
-
-
-def _offer(
-    peer: int, rings: int, shm_bytes: int, made: dict[int, Segment], doorbell: Doorbell | str | None
-) -> dict[str, Any]:
-    """Make the segment this rank writes to ``peer``; what to tell the peer about it and the doorbell."""
-    ring_bytes, slots, slot_bytes = shm_ring.layout(shm_bytes, rings)
-    if not slots:
-        _fall_back(peer, f"{shm_bytes} bytes cannot hold {rings} rings of slots")
-        return {"local": True}
-    if not isinstance(doorbell, Doorbell):
-        _fall_back(peer, str(doorbell))
-        return {"local": True}
-    try:
-        made[peer] = Segment.create(ring_bytes * rings)
-    except OSError as err:
-        _fall_back(peer, f"{shm_ring.SHM_DIR}: {err.strerror or err}")
-        return {"local": True}
-    layout = [ring_bytes, slots, slot_bytes]
-    return {
-        "local": True,
-        "segment": made[peer].name,
-        "bytes": ring_bytes * rings,
-        "layout": layout,
-        "bell": doorbell.name,
-    }
-
-
-def _attach(peer: int, answer: dict[str, Any], mapped: dict[int, Segment], bells: dict[int, int]) -> None:
-    """Map the peer's segment and open its doorbell; on failure neither (the pair uses TCP)."""
-    try:
-        segment = Segment.attach(str(answer["segment"]), int(answer["bytes"]))
-    except OSError as err:
-        _fall_back(peer, f"could not map its segment: {err}")
-        return
-    try:
-        bells[peer] = shm_ring.open_bell(str(answer.get("bell", "")))
-    except OSError as err:
-        segment.close()
-        _fall_back(peer, f"could not open its doorbell: {err}")
-        return
-    mapped[peer] = segment
-
-
-_ADVICE = f". Free space in {shm_ring.SHM_DIR} or lower RINGCORE_SHM_BYTES (bytes per pair of ranks)"
-
-
-def _fall_back(peer: int, why: str, advice: str = _ADVICE) -> None:
-    """Warn, once per process, that a pair of ranks on one host uses TCP."""
-    global _warned_fallback
-    if not _warned_fallback:
-        log.warning("shared memory to rank %d is not possible (%s); that pair uses TCP%s", peer, why, advice)
-        _warned_fallback = True
-
-
-def _make_probe() -> tuple[str | None, str]:
-    name, token = shm_ring.new_name("probe"), os.urandom(16).hex()
-    try:
-        fd = os.open(os.path.join(shm_ring.SHM_DIR, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError:
-        return None, ""
-    with os.fdopen(fd, "w") as file:
-        file.write(token)
-    return name, token
-
-
-def _is_local(me: dict[str, Any], peer: dict[str, Any]) -> bool:
-    """Same host identity, and the peer's probe file is visible here with its contents."""
-    name = str(peer.get("probe", ""))
-    if peer.get("host") != me["host"] or not name.startswith(shm_ring.PREFIX) or "/" in name:
-        return False
-    try:
-        with open(os.path.join(shm_ring.SHM_DIR, name)) as file:
-            return file.read() == peer["token"]
-    except OSError:
-        return False
-
-
-def _host_identity() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as file:
-            boot = file.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-def _exchange(
-    control: TcpTransport, outgoing: dict[int, dict[str, Any]], timeout: float
-) -> dict[int, dict[str, Any]]:
-    """Send one small message to every peer and receive one from each, over the TCP mesh."""
-    inboxes = {peer: bytearray(_MESSAGE_BYTES) for peer in outgoing}
-    requests = []
-    for peer, message in outgoing.items():
-        packed = msgpack.packb(message)
-        frame = bytearray(_MESSAGE_BYTES)
-        _LENGTH.pack_into(frame, 0, len(packed))
-        frame[_LENGTH.size : _LENGTH.size + len(packed)] = packed
-        requests.append(control.irecv(peer, 0, _SETUP_TAG, _SETUP_SIGNATURE, memoryview(inboxes[peer])))
-        requests.append(control.isend(peer, 0, _SETUP_TAG, _SETUP_SIGNATURE, memoryview(frame)))
-    deadline = time.monotonic() + timeout
-    while not all(request.done for request in requests):
-        if time.monotonic() > deadline:
-            waiting = sorted({r.peer for r in requests if not r.done})
-            raise CollectiveTimeout(
-                f"rank {control.rank}: ranks {waiting} did not answer the shared-memory set-up within "
-                f"{timeout:g} s; is RINGCORE_TRANSPORT=shm set on every rank?"
-            )
-        control.progress(0.05)
-    replies = {}
-    for peer, inbox in inboxes.items():
-        (length,) = _LENGTH.unpack_from(inbox, 0)
-        replies[peer] = msgpack.unpackb(bytes(inbox[_LENGTH.size : _LENGTH.size + length]))
-    return replies

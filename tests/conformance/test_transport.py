@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from ringcore.errors import PeerFailure
-from ringcore.transport import shm, wire
+from ringcore.transport import shm_setup, wire
 from ringcore.transport.base import FrameMismatch, PeerAborted, Request
 from ringcore.transport.loopback import LoopbackNetwork
 from ringcore.transport.mesh import connect_mesh, make_listener
@@ -92,7 +92,7 @@ def shm_mesh(size: int, channels: int, shm_bytes: int = 64 << 10) -> list:
     """
     controls = tcp_mesh(size, channels)
     made = in_parallel(
-        *[lambda rank=rank: shm.connect(controls[rank], shm_bytes, 20.0) for rank in range(size)]
+        *[lambda rank=rank: shm_setup.connect(controls[rank], shm_bytes, 20.0) for rank in range(size)]
     )
     assert all(len(t.local) == size - 1 for t in made), "every rank of this process is on this host"
     return made

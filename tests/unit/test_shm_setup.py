@@ -13,7 +13,7 @@ import pytest
 
 from ringcore import bootstrap
 from ringcore.config import Settings
-from ringcore.transport import shm, shm_ring
+from ringcore.transport import shm, shm_ring, shm_setup
 from ringcore.transport.shm_ring import Ring, Segment
 from tests.conformance.test_transport import SIG, drive, in_parallel, tcp_mesh, view
 
@@ -26,7 +26,7 @@ def ours() -> set[str]:
 
 def connect_all(size: int, shm_bytes: int = 256 << 10) -> list[shm.ShmTransport]:
     controls = tcp_mesh(size, 1)
-    return in_parallel(*[lambda r=r: shm.connect(controls[r], shm_bytes, 20.0) for r in range(size)])  # type: ignore[return-value]
+    return in_parallel(*[lambda r=r: shm_setup.connect(controls[r], shm_bytes, 20.0) for r in range(size)])  # type: ignore[return-value]
 
 
 def close_all(transports: list[shm.ShmTransport]) -> None:
@@ -36,17 +36,17 @@ def close_all(transports: list[shm.ShmTransport]) -> None:
 
 def test_a_peer_is_local_only_if_it_can_read_the_probe() -> None:
     """Same hostname and boot id is not enough: another container's /dev/shm has no such file."""
-    me = {"host": shm._host_identity(), "probe": "", "token": ""}
-    name, token = shm._make_probe()
+    me = {"host": shm_setup._host_identity(), "probe": "", "token": ""}
+    name, token = shm_setup._make_probe()
     assert name is not None
     try:
         assert os.stat(os.path.join(shm_ring.SHM_DIR, name)).st_mode & 0o777 == 0o600
-        assert shm._is_local(me, {"host": me["host"], "probe": name, "token": token})
-        assert not shm._is_local(me, {"host": me["host"], "probe": name, "token": "0" * 32})
-        assert not shm._is_local(me, {"host": "elsewhere/boot", "probe": name, "token": token})
+        assert shm_setup._is_local(me, {"host": me["host"], "probe": name, "token": token})
+        assert not shm_setup._is_local(me, {"host": me["host"], "probe": name, "token": "0" * 32})
+        assert not shm_setup._is_local(me, {"host": "elsewhere/boot", "probe": name, "token": token})
         missing = shm_ring.new_name("probe")  # what a twin container with its own /dev/shm publishes
-        assert not shm._is_local(me, {"host": me["host"], "probe": missing, "token": token})
-        assert not shm._is_local(me, {"host": me["host"], "probe": "../etc/passwd", "token": token})
+        assert not shm_setup._is_local(me, {"host": me["host"], "probe": missing, "token": token})
+        assert not shm_setup._is_local(me, {"host": me["host"], "probe": "../etc/passwd", "token": token})
     finally:
         shm_ring.unlink(name)
 
@@ -68,7 +68,7 @@ def test_a_dev_shm_too_small_falls_back_to_tcp_with_one_warning(
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(Segment, "create", staticmethod(full))
-    monkeypatch.setattr(shm, "_warned_fallback", False)
+    monkeypatch.setattr(shm_setup, "_warned_fallback", False)
     before = ours()
     with caplog.at_level(logging.WARNING, logger="ringcore"):
         transports = connect_all(3)
@@ -165,7 +165,9 @@ def test_a_sender_blocked_on_a_full_ring_is_woken_when_a_slot_frees(monkeypatch:
 
 
 def test_auto_without_local_peers_keeps_the_plain_tcp_transport(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(shm, "_is_local", lambda me, peer: False)  # as if each rank had a host of its own
+    monkeypatch.setattr(
+        shm_setup, "_is_local", lambda me, peer: False
+    )  # as if each rank had a host of its own
     controls = tcp_mesh(2, 1)
     auto = Settings(transport="auto", shm_bytes=64 << 10, init_timeout=20.0)
     try:
