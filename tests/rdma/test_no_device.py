@@ -1,4 +1,4 @@
-"""pyverbs present but no RDMA device: ``ibverbs`` fails clearly on every rank, ``auto`` falls back to TCP.
+"""pyverbs present but no RDMA device: ``ibverbs`` fails clearly on every rank, ``auto`` does without RDMA.
 
 Runs where pyverbs imports and ``/sys/class/infiniband`` is empty: on the host,
 with the venv ``ci/rdma-vm/run-tests.sh`` builds (before it boots the guest).
@@ -32,6 +32,7 @@ def test_ibverbs_without_a_device_fails_init_on_every_rank() -> None:
     assert "no RDMA device found" in message and "RINGCORE_TRANSPORT=tcp" in message, message
 
 
-def test_auto_without_a_device_uses_tcp() -> None:
+def test_auto_without_a_device_uses_shared_memory_on_one_host() -> None:
+    """Without RDMA, ``auto`` carries these two ranks (one host) through shared memory, TCP between hosts."""
     with Cluster(2, env={"RINGCORE_TRANSPORT": "auto"}, timeout=60) as cluster:
-        assert [r["transport"] for r in cluster.results(tasks.transport_report)] == ["TcpTransport"] * 2
+        assert [r["transport"] for r in cluster.results(tasks.transport_report)] == ["ShmTransport"] * 2

@@ -175,3 +175,21 @@ def test_auto_without_local_peers_keeps_the_plain_tcp_transport(monkeypatch: pyt
         assert got[0] is controls[0] and got[1] is controls[1]
     finally:
         close_all(controls)
+
+
+def test_a_host_without_shared_memory_warns_once_and_uses_tcp(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ranks on one host that cannot share memory (here: not x86-64) say why, once."""
+    monkeypatch.setattr(
+        shm_ring, "supported", lambda: "aarch64 is not x86-64 (the rings rely on its store order)"
+    )
+    monkeypatch.setattr(shm_setup, "_warned_fallback", False)
+    with caplog.at_level(logging.WARNING, logger="ringcore"):
+        transports = connect_all(3)
+    try:
+        assert [t.local for t in transports] == [[], [], []]
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "not x86-64" in warnings[0], warnings
+    finally:
+        close_all(transports)
