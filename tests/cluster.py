@@ -126,6 +126,7 @@ class Cluster:
     def __init__(self, size: int, env: dict[str, str] | None = None, timeout: float = 60.0) -> None:
         self.size = size
         self.timeout = timeout
+        self.busy: set[int] = set()  # ranks that never answered a task: they cannot take another
         for attempt in range(3):
             replies = self._start(free_port(), env or {}, timeout)
             failed = [r for r, (status, _) in enumerate(replies) if status != "ready"]
@@ -145,6 +146,7 @@ class Cluster:
         }
         self.pipes = []
         self.procs = []
+        self.busy.clear()
         for rank in range(self.size):
             parent, child = _CTX.Pipe()
             proc = _CTX.Process(target=_worker, args=(rank, self.size, port, child, base), daemon=True)
@@ -160,6 +162,7 @@ class Cluster:
             pipe = self.pipes[rank]
             if not pipe.poll(max(0.0, deadline - time.monotonic())):
                 replies.append(("timeout", None))
+                self.busy.add(rank)
                 continue
             try:
                 replies.append(pipe.recv())
@@ -172,6 +175,12 @@ class Cluster:
     ) -> list[Any]:
         """Run ``fn(comm, *args)`` on every rank; results, or ``RankError``s, by rank."""
         ranks = list(range(self.size)) if ranks is None else list(ranks)
+        if busy := sorted(self.busy.intersection(ranks)):
+            # A rank still inside an earlier task would answer this one with that task's reply,
+            # or not at all: fail at once instead of waiting out another timeout (a module-scoped
+            # cluster would otherwise cost every later test its whole timeout).
+            why = f"ranks {busy} never answered an earlier task (timed out); this cluster can run no more"
+            return [RankError("busy", why, None, "") for _ in ranks]
         for rank in ranks:
             self.pipes[rank].send((fn, args))
         replies = self._collect(ranks, self.timeout if timeout is None else timeout)
