@@ -25,9 +25,9 @@ a tight loop for ``TIGHT_SPIN`` s (no syscalls; skipped when this host's
 ranks outnumber the CPUs this process may use, where the loop would burn the
 time slice of the peer it waits for: 4 KiB at N=4 on 2 cores took 290 us
 with it, 125-150 us without), then with ``sched_yield`` between polls
-until ``spin`` s (``RINGCORE_SPIN_US``), polling the TCP sockets too every
-few yields (the wrapped transport's ``progress(0)``), so an
-ABORT or a dead peer is seen while waiting on shared memory. Then it blocks,
+until ``spin`` s (``RINGCORE_SPIN_US``), looking at the TCP sockets too every
+few yields, so an ABORT or a dead peer is seen while waiting on shared
+memory ("Idle peers" below). Then it blocks,
 like TCP's ``poll``, on something the kernel wakes: one ``poll`` over this
 rank's doorbell FIFO and the TCP mesh's sockets, having said in the rings it
 waits on that it sleeps (the protocol: "Doorbells" in
@@ -35,6 +35,21 @@ waits on that it sleeps (the protocol: "Doorbells" in
 slot this rank waits for) rings the doorbell, a frame, ABORT or hang-up on
 TCP wakes it as TCP would, and every block lasts at most ``BLOCK_MAX`` s, the
 bound on a wake-up lost to store-load reordering.
+
+Idle peers. As :class:`~ringcore.transport.tcp.TcpTransport` looks at a
+connection with nothing posted only when posted work cannot move, news of a
+local peer (ABORT, BYE, hang-up) is heard at once when the posted work
+involves that peer (a send to it or a receive from it), and otherwise only
+once nothing has moved for ``IDLE_GRACE`` s, or when the next collective
+starts (``expect``). A shared-memory send is done only once its last piece
+is in a slot, where TCP's is done once its bytes are in the socket buffer,
+so a rank here still waits on a live, slow peer where over TCP its data
+would already be in; without the grace, a peer that finished this collective
+and died in the next one would fail this one on every rank that waits.
+Until it is heard, such a peer's socket stays out of the ``poll`` that
+blocks (it would wake it at once, again and again). The TCP transport is
+asked itself (``progress(0)``) when it has frames of its own to move, or
+once the grace has passed.
 
 Set-up: :mod:`ringcore.transport.shm_setup` finds the local peers, makes and
 maps the segments and doorbells, and builds this transport.
@@ -61,6 +76,7 @@ log = logging.getLogger("ringcore")
 TIGHT_SPIN = 50e-6  # seconds of polling without a syscall before yielding
 LIVENESS_EVERY = 1e-3  # seconds between looks at the local peers' TCP news when a collective starts
 BLOCK_MAX = 1e-3  # the longest block in poll: what a lost wake-up may cost (shm_ring, "Lost wake-ups")
+IDLE_GRACE = 0.5  # seconds with nothing moving before news of a peer the posted work does not involve counts
 _YIELDS_PER_TCP_POLL = 8
 _LIVENESS_EVENTS = select.POLLIN | getattr(select, "POLLRDHUP", 0x2000)
 
@@ -186,8 +202,11 @@ class ShmTransport:
         self.episode = 0  # the last sleep's number, stored in the rings it waited on
         self.liveness = select.poll()  # the local peers' TCP connections, which carry no data
         self.next_liveness = 0.0  # when expect() may poll them again
-        for peer in self.local:
-            self.liveness.register(control.conns[(peer, 0)].fd, _LIVENESS_EVENTS)
+        self.watched = {control.conns[(peer, 0)].fd: control.conns[(peer, 0)] for peer in self.local}
+        for fd in self.watched:
+            self.liveness.register(fd, _LIVENESS_EVENTS)
+        self.unheard: set[int] = set()  # fds of local peers with news not yet looked at ("Idle peers")
+        self.last_moved = 0.0  # perf_counter when the running collective last moved a byte
         self.spin = 200e-6  # seconds of polling before blocking (Settings.spin_seconds)
         self.tight_spin = TIGHT_SPIN if len(self.local) < len(os.sched_getaffinity(0)) else 0.0
         self.current = (-1, 0)
@@ -213,15 +232,11 @@ class ShmTransport:
         self.current = (seq & 0xFFFFFFFF, signature)
         self.control.expect(seq, signature)
         now = time.perf_counter()
-        if self.local and now > self.next_liveness:
+        self.last_moved = now
+        if self.watched and (self.unheard or now > self.next_liveness):
             self.next_liveness = now + LIVENESS_EVERY
-            if self.liveness.poll(0):
-                self._tcp_news()
-                for peer in self.local:
-                    conn = self.control.conns[(peer, 0)]
-                    if conn.departed or conn.early:  # its EOF or data stays readable: stop asking
-                        with contextlib.suppress(KeyError):
-                            self.liveness.unregister(conn.fd)
+            for fd, _ in self.liveness.poll(0):
+                self._hear(fd)  # news from between collectives (or deferred by the last one) counts now
         self._check_idle()
 
     def route(self, peer: int, segment: int) -> int:
@@ -250,13 +265,15 @@ class ShmTransport:
         moved = self._pump()
         if self._remote:
             moved = self._progress_remote(0) or moved
-        if moved or timeout <= 0:
-            return moved
-        if not any(link.sends or link.recvs for link in self.links.values()):
-            moved = self._progress_remote(timeout)  # only TCP has work (or nothing has): it waits
-            self._check_idle()
-            return moved
-        return self._wait(timeout)
+        if not moved and timeout > 0:
+            if any(link.sends or link.recvs for link in self.links.values()):
+                moved = self._wait(timeout)
+            else:
+                moved = self._progress_remote(timeout)  # only TCP has work (or nothing has): it waits
+                self._check_idle()
+        if moved:
+            self.last_moved = time.perf_counter()
+        return moved
 
     def cancel(self) -> None:
         """Forget posted work; a frame half written or read leaves its ring mid-frame (abort/close only)."""
@@ -356,22 +373,61 @@ class ShmTransport:
                 return True
 
     def _poller(self) -> select.poll:
-        """This rank's doorbell and every TCP socket with something to wait for, as ``TcpTransport`` polls."""
+        """This rank's doorbell and every TCP socket with something to wait for, as ``TcpTransport`` polls.
+
+        Before the grace, not the idle sockets whose news waits ("Idle peers", module docstring),
+        nor those of peers on other hosts: only the TCP transport looks at those.
+        """
         assert self.doorbell is not None
         poller = select.poll()
         poller.register(self.doorbell.fd, select.POLLIN)
+        patient = not self._stale()
         for conn in self.control.conns.values():
+            idle = not (conn.sends or conn.recvs)
+            if patient and idle and (conn.fd in self.unheard or conn.fd not in self.watched):
+                continue
             events = conn.poll_events()
             if events:
                 poller.register(conn.fd, events)
         return poller
 
     def _tcp_news(self) -> bool:
-        """Poll the TCP side once: its own frames, and ABORT, BYE or hang-up of local peers."""
-        moved = self._progress_remote(0)
+        """Look at the TCP side once: its own frames, and ABORT, BYE or hang-up of peers ("Idle peers")."""
+        moved = self._progress_remote(0) if self._remote else False
+        if not moved:
+            if self._stale():
+                self._progress_remote(0)  # nothing moves: TCP looks at every idle connection
+            if self.watched:
+                for fd, _ in self.liveness.poll(0):
+                    self._hear(fd, self._involved())
         self._check_departed()
         self._check_idle()
         return moved
+
+    def _stale(self) -> bool:
+        return time.perf_counter() - self.last_moved > IDLE_GRACE
+
+    def _involved(self) -> set[int] | None:
+        """The local peers the posted work sends to or receives from; None (all) past the grace."""
+        if self._stale():
+            return None
+        return {link.peer for link in self.links.values() if link.sends or link.recvs}
+
+    def _hear(self, fd: int, involved: set[int] | None = None) -> None:
+        """Read a local peer's news on TCP (raising on ABORT or hang-up), or leave it for later.
+
+        ``involved``: the peers whose news counts now (None: every peer).
+        """
+        conn = self.watched[fd]
+        if involved is not None and conn.peer not in involved:
+            self.unheard.add(fd)
+            return
+        self.unheard.discard(fd)
+        if not (conn.departed or conn.early):
+            conn.check_idle(self.current)
+        if conn.departed or conn.early:  # its EOF or data stays readable: stop asking
+            with contextlib.suppress(KeyError):
+                self.liveness.unregister(fd)
 
     def _check_departed(self) -> None:
         for link in self.links.values():
