@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 import struct
+import threading
 import time
 from typing import Any
 
@@ -42,6 +43,7 @@ from ringcore.transport.tcp import TcpTransport, needed_links
 
 log = logging.getLogger("ringcore")
 _warned_fallback = False
+_warn_lock = threading.Lock()
 
 _SETUP_TAG = 0xFFFFFFFE << 32  # never a collective's: set-up ends before the first collective
 _SETUP_SIGNATURE = 0x5348_4D00  # "SHM"
@@ -207,11 +209,13 @@ _ADVICE = f". Free space in {shm_ring.SHM_DIR} or lower RINGCORE_SHM_BYTES (byte
 
 
 def _fall_back(peer: int, why: str, advice: str = _ADVICE) -> None:
-    """Warn, once per process, that a pair of ranks on one host uses TCP."""
+    """Warn, once per process, that a pair of ranks on one host uses TCP (ranks may be threads: locked)."""
     global _warned_fallback
-    if not _warned_fallback:
-        log.warning("shared memory to rank %d is not possible (%s); that pair uses TCP%s", peer, why, advice)
+    with _warn_lock:
+        if _warned_fallback:
+            return
         _warned_fallback = True
+    log.warning("shared memory to rank %d is not possible (%s); that pair uses TCP%s", peer, why, advice)
 
 
 def _make_probe() -> tuple[str | None, str]:
