@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,18 +32,17 @@ pytest.importorskip("ray.train")
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
-from ray._private import ray_constants  # noqa: E402
 
 import ringcore.ray  # noqa: E402
 from ringcore.errors import RingcoreError  # noqa: E402
 from ringcore.ray import RingcoreExecutor, WorkerError, WorkerLost, WorkerTimeout  # noqa: E402
 from ringcore.ray.layout import assign_ranks, rank_env  # noqa: E402
 from tests.bindings import ray_tasks  # noqa: E402
+from tests.bindings.ray_cluster import local_cluster  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data")  # Ray Train's own imports
 
 ROOT = Path(__file__).resolve().parents[2]
-NODE_IP = "127.0.0.1"
 N = 3
 EXECUTOR_ENV = {"RINGCORE_TIMEOUT": "30", "OMP_NUM_THREADS": "1", "RC_TEST_ENV": "set"}
 
@@ -53,72 +50,15 @@ EXECUTOR_ENV = {"RINGCORE_TIMEOUT": "30", "OMP_NUM_THREADS": "1", "RC_TEST_ENV":
 # ------------------------------------------------------------------ the cluster
 
 
-def _processes_of(marker: str | None, ancestor: int) -> list[str]:
-    """``pid cmdline`` of live processes that descend from ``ancestor`` or whose command line holds ``marker``."""
-    parents: dict[int, int] = {}
-    lines: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-            stat = (entry / "stat").read_text()
-        except OSError:  # exited meanwhile
-            continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if state != "Z":
-            parents[int(entry.name)], lines[int(entry.name)] = int(ppid), cmdline
-    found = []
-    for pid, cmdline in lines.items():
-        up = parents.get(pid)
-        while up not in (None, 0, 1, ancestor):
-            up = parents.get(up)
-        if up == ancestor or (marker is not None and marker in cmdline):
-            found.append(f"{pid} {cmdline[:160]}")
-    return found
-
-
-def _no_ray_processes(temp_dir: str, before: set[str], timeout: float = 30.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p for p in _processes_of(temp_dir, os.getpid()) if p.split()[0] not in before]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.5)
-
-
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[str]:
     """A local Ray cluster for the module, with ringcore's setup hook; no Ray process outlives it."""
-    before = {p.split()[0] for p in _processes_of(None, os.getpid())}  # this test run's own children
-    temp_dir = tempfile.mkdtemp(prefix="rcray", dir="/tmp")  # short: Ray's socket paths live under it
     with pytest.MonkeyPatch.context() as env:
-        # Every Ray and ringcore address on loopback (Ray picks the host's interface otherwise): the
-        # variable for Ray's processes, the constant it set for this one, which imported Ray already.
-        env.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        env.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False, raising=False)
-        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        env.setenv("RAY_AUTH_MODE", "disabled")  # no token written to ~/.ray for a throwaway cluster
         env.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")  # one actor less per TorchTrainer
         env.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")  # notice sooner that training finished
-        ray.init(
-            num_cpus=4,
-            include_dashboard=False,
-            object_store_memory=100 * 2**20,
-            _temp_dir=temp_dir,
-            runtime_env={
-                **ringcore.ray.RUNTIME_ENV,
-                "env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-            },
-        )
-        try:
-            assert ray.util.get_node_ip_address() == NODE_IP
+        env_vars = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        with local_cluster(4, env_vars, **ringcore.ray.RUNTIME_ENV) as temp_dir:
             yield temp_dir
-        finally:
-            ray.shutdown()
-            left = _no_ray_processes(temp_dir, before)
-            shutil.rmtree(temp_dir, ignore_errors=True)
-    assert not left, "Ray processes outlived ray.shutdown():\n" + "\n".join(left)
 
 
 # ------------------------------------------------------------------ without a cluster
