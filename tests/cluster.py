@@ -30,6 +30,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # Ranks fork from a server that has imported numpy, ringcore, pytest and the shared tasks
@@ -224,6 +225,15 @@ def _port_taken(error: Any) -> bool:
     if not isinstance(error, RankError):
         return False
     return error.type_name == "AuthenticationError" or "could not serve the rendezvous store" in error.message
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie has exited: it does not)."""
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
 
 
 def _as_error(status: str, value: Any) -> Any:

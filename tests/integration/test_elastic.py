@@ -27,7 +27,7 @@ import pytest
 
 from ringcore import discovery, elastic_driver, hosts
 from ringcore.run import parse_args
-from tests.cluster import free_port
+from tests.cluster import alive, free_port
 from tests.netns_hosts import ssh_cluster, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,19 +82,11 @@ def assert_nothing_left(out: Path, port: int) -> None:
     deadline = time.monotonic() + 5
     for path in out.glob("pid.*"):
         pid = int(path.read_text())
-        while _alive(pid):
+        while alive(pid):
             assert time.monotonic() < deadline, f"{path.name}: process {pid} is still running"
             time.sleep(0.05)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", port))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def stamp(out: Path, worker: int) -> float:

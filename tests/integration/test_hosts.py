@@ -32,6 +32,7 @@ import pytest
 
 from ringcore import hosts, rank_agent, remote
 from ringcore.run import parse_args
+from tests.cluster import alive
 from tests.netns_hosts import SshCluster, ssh_cluster, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,14 +174,6 @@ def wait_for_pids(folder: Path, count: int, timeout: float = 30.0) -> dict[int, 
         assert time.monotonic() < deadline, f"only {len(files)} of {count} ranks started"
         time.sleep(0.05)
     return {int(f.stem): tuple(map(int, f.read_text().split())) for f in files}  # type: ignore[misc]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1] != "Z"
 
 
 def agent(job: dict) -> subprocess.Popen[bytes]:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from ringcore.run import parse_args
+from tests.cluster import alive
 
 LAUNCH_TIMEOUT = 60
 
@@ -90,17 +91,9 @@ def assert_dead(pids: dict[int, int], timeout: float = 5.0) -> None:
     """Assert every PID is gone (allowing a moment for a process being reaped elsewhere)."""
     deadline = time.monotonic() + timeout
     for rank, pid in pids.items():
-        while _alive(pid):
+        while alive(pid):
             assert time.monotonic() < deadline, f"rank {rank} (pid {pid}) is still running"
             time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def seconds_since_failure(folder: Path) -> float:
