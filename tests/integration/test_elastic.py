@@ -189,7 +189,9 @@ def test_a_script_that_never_checks_in_is_stopped(tmp_path: Path) -> None:
     assert "worker 0 did not check in within 2 s (--elastic-timeout) of its start; does the script use" in (
         proc.stderr
     )
-    assert "0 workers left, fewer than --min-np 2" in proc.stderr
+    # Both workers pass the bound in one pass of the driver, or (under load, started further apart) one
+    # pass ends the job with the other still inside its bound: either way the job ends below --min-np.
+    assert re.search(r"[01] workers? left, fewer than --min-np 2", proc.stderr), proc.stderr
 
 
 # --------------------------------------------------------------------------- growing
