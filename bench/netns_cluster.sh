@@ -9,7 +9,9 @@
 #   netns_cluster.sh exec I CMD...       run CMD on host I
 #   netns_cluster.sh addr I              print host I's address
 #   netns_cluster.sh iperf I J [SECS]    one TCP stream from host J to host I (iperf3)
-#   netns_cluster.sh launch N CMD...     run CMD as ranks 0..N-1 of a ringcore job, rank i on host i
+#   netns_cluster.sh launch N CMD...     run CMD as ranks 0..N-1 of a ringcore job, rank i on host i;
+#                                        PER_HOST=L: L ranks per host (rank h*L+l on host h), each
+#                                        host with its own host name and /dev/shm
 #   netns_cluster.sh status              namespaces, addresses, bytes through each shaper
 #
 # Layout. Host i is namespace rch<i> with one interface, eth0 = 10.213.0.<i+1>/24,
@@ -35,7 +37,7 @@ SWITCH=rchsw      # the bridge's namespace
 NET=10.213.0      # private /24, exists only inside these namespaces
 PORT=29511        # rendezvous port of `launch` (on host 0)
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 
 have() { [ -x "$(command -v "$1")" ]; }
 
@@ -144,22 +146,44 @@ iperf() {
 launch() {
     local n=${1:?N}; shift
     [ $# -gt 0 ] || usage
-    local i pids=() rc=0
-    for i in $(seq 0 $(( n - 1 ))); do need_host "$i"; done
+    local per=${PER_HOST:-1}
+    [[ $per =~ ^[0-9]+$ ]] && [ "$per" -ge 1 ] || { echo "PER_HOST must be a positive number" >&2; exit 2; }
+    local i pids=() rc=0 host_count=$(( (n + per - 1) / per ))
+    for i in $(seq 0 $(( host_count - 1 ))); do need_host "$i"; done
     local secret=${RINGCORE_SECRET:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}
-    # The emulated hosts share this machine's cores, which ringcore cannot see (each rank is
-    # alone on its "host"): busy-polling would steal the CPU of another host's rank, so it
+    # The emulated hosts share this machine's cores, which ringcore cannot see (each host's
+    # ranks see only their host): busy-polling would steal the CPU of another host's rank, so it
     # is off unless RINGCORE_SPIN_US says otherwise.
     local spin=${RINGCORE_SPIN_US:-0}
-    for i in $(seq 0 $(( n - 1 ))); do
+    for i in $(seq 0 $(( host_count - 1 ))); do
         # The secret goes in the environment, not on a command line (`ps` shows those).
-        RINGCORE_SECRET="$secret" ip netns exec "${HOST}$i" env RINGCORE_RANK="$i" RINGCORE_SIZE="$n" \
-            RINGCORE_LOCAL_RANK=0 RINGCORE_LOCAL_SIZE=1 RINGCORE_SPIN_US="$spin" RINGCORE_ADDR="$(addr 0)" \
-            RINGCORE_PORT="$PORT" RINGCORE_IFNAME=eth0 PYTHONUNBUFFERED=1 "$@" &
+        if [ "$per" -eq 1 ]; then
+            RINGCORE_SECRET="$secret" ip netns exec "${HOST}$i" env RINGCORE_RANK="$i" RINGCORE_SIZE="$n" \
+                RINGCORE_LOCAL_RANK=0 RINGCORE_LOCAL_SIZE=1 RINGCORE_SPIN_US="$spin" RINGCORE_ADDR="$(addr 0)" \
+                RINGCORE_PORT="$PORT" RINGCORE_IFNAME=eth0 PYTHONUNBUFFERED=1 "$@" &
+        else
+            # Several ranks per host: the host gets its own host name and its own /dev/shm (new
+            # UTS and mount namespaces), as a real host has, so ranks find their local peers by
+            # host name and shared memory, and other hosts' ranks are not local.
+            RINGCORE_SECRET="$secret" ip netns exec "${HOST}$i" unshare --uts --mount --propagation private \
+                env HOST_INDEX="$i" PER="$per" N="$n" SPIN="$spin" ADDR0="$(addr 0)" PORT="$PORT" \
+                bash -c 'hostname "rch$HOST_INDEX" && mount -t tmpfs -o size=2g,mode=1777 tmpfs /dev/shm || exit 1
+                    pids=()
+                    for l in $(seq 0 $(( PER - 1 ))); do
+                        r=$(( HOST_INDEX * PER + l )); [ "$r" -lt "$N" ] || break
+                        env RINGCORE_RANK="$r" RINGCORE_SIZE="$N" RINGCORE_LOCAL_RANK="$l" \
+                            RINGCORE_SPIN_US="$SPIN" RINGCORE_ADDR="$ADDR0" RINGCORE_PORT="$PORT" \
+                            RINGCORE_IFNAME=eth0 PYTHONUNBUFFERED=1 "$@" &
+                        pids+=("$!")
+                    done
+                    rc=0
+                    for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+                    exit "$rc"' _ "$@" &
+        fi
         pids+=("$!")
     done
     for i in "${!pids[@]}"; do
-        wait "${pids[$i]}" || { local code=$?; [ "$rc" -eq 0 ] && rc=$code && echo "launch: rank $i exited $code" >&2; }
+        wait "${pids[$i]}" || { local code=$?; [ "$rc" -eq 0 ] && rc=$code && echo "launch: host $i exited $code" >&2; }
     done
     return "$rc"
 }

@@ -158,6 +158,7 @@ def bootstrap(world: WorldSpec, settings: Settings, meeting: Meeting | None = No
         wide_segments=where.wide_segments(tcp),
         cross_rank=where.cross_rank,
         cross_size=where.cross_size,
+        grid=where.grid,
     )
     try:
         comm.confirm_world()
@@ -336,6 +337,7 @@ AGREED_SETTINGS = {
     "RINGCORE_SMALL_BYTES": "small_bytes",
     "RINGCORE_HALVING_BYTES": "halving_bytes",
     "RINGCORE_SLICE_BYTES": "slice_bytes",
+    "RINGCORE_HIERARCHICAL": "hierarchical",
     "RINGCORE_GPU_STAGING_BYTES": "gpu_staging_bytes",
 }
 

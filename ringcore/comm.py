@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ringcore.algo.hierarchical import Grid
 from ringcore.config import Settings
 from ringcore.context import Context
 from ringcore.errors import CollectiveTimeout, CommunicatorClosed
@@ -132,6 +133,7 @@ class Communicator:
         wide_segments: bool = False,
         cross_rank: int = 0,
         cross_size: int = 1,
+        grid: Grid | None = None,
     ) -> None:
         self.rank, self.size = rank, size
         self.local_rank, self.local_size = local_rank, local_size
@@ -161,7 +163,16 @@ class Communicator:
                 rank, size, store.address, store.connect_again, self.progress, settings
             )
         self.ctx = Context(
-            rank, size, settings, transport, store, self.timeline, self.stall, cache_slices, wide_segments
+            rank,
+            size,
+            settings,
+            transport,
+            store,
+            self.timeline,
+            self.stall,
+            cache_slices,
+            wide_segments,
+            grid,
         )
         self._barrier = BarrierPlan(self.ctx)
 

@@ -55,6 +55,7 @@ class Settings:
     small_bytes: int = 64 * KIB
     halving_bytes: int = 4 * MIB  # halving-doubling up to this on 4+ ranks; 0: never
     slice_bytes: int | None = None  # None: auto (see allreduce_slice_bytes)
+    hierarchical: bool = True  # allreduce inside hosts, then across them, on jobs of several multi-rank hosts
     socket_buffer: int = 4 * MIB  # SO_SNDBUF/SO_RCVBUF; 0 leaves them to the kernel's autotuning (see README)
     atomic: bool = False  # a failed in-place allreduce restores the caller's buffer (one extra copy)
     spin_us: int | None = None  # busy-poll before sleeping; None: auto (see spin_seconds)
@@ -100,6 +101,7 @@ class Settings:
             small_bytes=reader.size("RINGCORE_SMALL_BYTES", cls.small_bytes, minimum=0),
             halving_bytes=reader.size("RINGCORE_HALVING_BYTES", cls.halving_bytes, minimum=0),
             slice_bytes=reader.size_or_auto("RINGCORE_SLICE_BYTES", minimum=64 * KIB),
+            hierarchical=reader.flag("RINGCORE_HIERARCHICAL", cls.hierarchical),
             socket_buffer=reader.size("RINGCORE_SOCKET_BUFFER", cls.socket_buffer, minimum=0),
             atomic=reader.flag("RINGCORE_ATOMIC", cls.atomic),
             spin_us=_spin(env.get("RINGCORE_SPIN_US", "auto")),

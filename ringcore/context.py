@@ -22,6 +22,7 @@ import numpy as np
 
 from ringcore.algo import lockstep
 from ringcore.algo.execute import Executor
+from ringcore.algo.hierarchical import Grid
 from ringcore.algo.lockstep import LockstepExecutor
 from ringcore.algo.steps import Buf, Schedule
 from ringcore.buffers import Buffer, DType
@@ -61,6 +62,7 @@ class Context:
         stall: StallInspector | None = None,
         cache_slices: bool = False,
         wide_segments: bool = False,
+        grid: Grid | None = None,
     ) -> None:
         self.rank, self.size = rank, size
         self.settings = settings
@@ -70,6 +72,7 @@ class Context:
         self.stall = stall
         self.cache_slices = cache_slices  # the same on every rank (shared rendezvous records)
         self.wide_segments = wide_segments  # TCP ring without cache slices: 2 MiB segments (segment_size)
+        self.grid = grid  # grid[host][local rank] = rank, when hosts are alike (placement.host_grid)
         self.broken: BaseException | None = None  # set by fail(): later collectives refuse to run
         self._scratch: dict[Buf, np.ndarray] = {}
         self._views: dict[tuple[Any, ...], dict[Buf, np.ndarray]] = {}

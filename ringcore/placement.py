@@ -31,6 +31,7 @@ class Placement:
     one_host: bool  # every rank of the job runs on this host (then the same on every rank)
     cross_rank: int = 0  # this rank's place among the ranks with its local rank (Horovod's cross_rank)
     cross_size: int = 1  # how many ranks have its local rank: the number of hosts, when all are alike
+    grid: tuple[tuple[int, ...], ...] | None = None  # grid[host][local rank] = rank (see host_grid)
 
     @property
     def crowded(self) -> bool:
@@ -76,7 +77,34 @@ def place(rank: int, records: list[dict[str, Any]], local_rank: int | None = Non
         one_host=len(hosts) == 1 and local_size == len(records),
         cross_rank=alike.index(rank),
         cross_size=len(alike),
+        grid=host_grid(hosts, local_ranks, [record.get("local_size") for record in records]),
     )
+
+
+def host_grid(
+    hosts: dict[str, list[int]], local_ranks: list[int], declared_sizes: list[int | None]
+) -> tuple[tuple[int, ...], ...] | None:
+    """``grid[host][local rank] = rank`` when the job is hosts of equal size, else ``None``.
+
+    Hosts are ordered by their lowest rank. ``None`` where hosts differ in
+    size, where a host's local ranks are not ``0..L-1``, or where a launcher
+    declared a local size that disagrees with the host names (network
+    namespaces that share one host name): the hierarchical allreduce
+    (:mod:`ringcore.algo.hierarchical`) then does not apply.
+    """
+    sizes = {len(ranks) for ranks in hosts.values()}
+    if len(sizes) != 1:
+        return None
+    (size,) = sizes
+    if any(declared not in (None, size) for declared in declared_sizes):
+        return None
+    grid = []
+    for ranks in sorted(hosts.values(), key=min):
+        row = sorted(ranks, key=lambda peer: local_ranks[peer])
+        if [local_ranks[peer] for peer in row] != list(range(size)):
+            return None
+        grid.append(tuple(row))
+    return tuple(grid)
 
 
 def _local_ranks(records: list[dict[str, Any]], hosts: dict[str, list[int]]) -> list[int]:

@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ringcore.algo import halving_doubling, recursive_doubling, ring
+from ringcore.algo import halving_doubling, hierarchical, recursive_doubling, ring
 from ringcore.algo.steps import Buf, Schedule
 from ringcore.buffers import Buffer
 from ringcore.errors import MismatchError
@@ -33,7 +33,10 @@ def allreduce_schedule(
     """The allreduce algorithm for ``count`` elements (a slice of a larger buffer when ``sliced``).
 
     As Gloo and NCCL do, by size: recursive doubling for small buffers
-    (latency); halving-doubling on a world of 4 or more up to
+    (latency); on a job of several hosts with several ranks each (the
+    same number on every host), the hierarchical allreduce
+    (:mod:`ringcore.algo.hierarchical`) unless ``RINGCORE_HIERARCHICAL=0``;
+    halving-doubling on a world of 4 or more up to
     ``RINGCORE_HALVING_BYTES`` (a quarter of it when ranks past the largest
     power of two fold in, see ``halving_doubling.byte_limit``): the ring's
     bytes in 2 log2(N) unpipelined steps instead of 2(N-1), so fewer waits on
@@ -55,6 +58,9 @@ def allreduce_schedule(
     nbytes = count * itemsize
     if nbytes <= settings.small_bytes or count < ctx.size:
         return recursive_doubling.allreduce(ctx.rank, ctx.size, count, itemsize, settings.segment_size())
+    if settings.hierarchical and hierarchical.applies(ctx.grid, count):
+        segment_bytes = settings.segment_size(wide=ctx.wide_segments)
+        return hierarchical.allreduce(ctx.rank, ctx.grid, count, itemsize, segment_bytes)  # type: ignore[arg-type]
     if (
         not sliced
         and nbytes <= halving_doubling.byte_limit(ctx.size, settings.halving_bytes)

@@ -87,8 +87,12 @@ class RankError:
     trace: str
 
 
-def _worker(rank: int, size: int, port: int, conn: Any, env: dict[str, str]) -> None:
+def _worker(
+    rank: int, size: int, port: int, conn: Any, env: dict[str, str], hostname: str | None = None
+) -> None:
     os.environ.update(env)
+    if hostname is not None:
+        own_hostname(hostname)
     import ringcore
 
     try:
@@ -110,6 +114,24 @@ def _worker(rank: int, size: int, port: int, conn: Any, env: dict[str, str]) -> 
     conn.send(("bye", None))
 
 
+CLONE_NEWUTS = 0x04000000
+
+
+def own_hostname(name: str) -> None:
+    """Give this process a host name of its own (a new UTS namespace: root only), as if on another host."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWUTS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS) failed (needs root)")
+    socket.sethostname(name)
+
+
+def can_own_hostname() -> bool:
+    """Whether processes here may take host names of their own (``Cluster(hostnames=...)``)."""
+    return os.geteuid() == 0 and hasattr(socket, "sethostname")
+
+
 def _error(err: BaseException) -> RankError:
     try:
         import pickle
@@ -124,8 +146,16 @@ def _error(err: BaseException) -> RankError:
 class Cluster:
     """N ringcore ranks in their own processes (see module docstring)."""
 
-    def __init__(self, size: int, env: dict[str, str] | None = None, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        size: int,
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+        hostnames: list[str] | None = None,
+    ) -> None:
+        """``hostnames``: one per rank, each rank's own (see :func:`own_hostname`): emulated hosts."""
         self.size = size
+        self.hostnames = hostnames or [None] * size
         self.timeout = timeout
         self.busy: set[int] = set()  # ranks that never answered a task: they cannot take another
         for attempt in range(3):
@@ -150,7 +180,9 @@ class Cluster:
         self.busy.clear()
         for rank in range(self.size):
             parent, child = _CTX.Pipe()
-            proc = _CTX.Process(target=_worker, args=(rank, self.size, port, child, base), daemon=True)
+            proc = _CTX.Process(
+                target=_worker, args=(rank, self.size, port, child, base, self.hostnames[rank]), daemon=True
+            )
             proc.start()
             self.pipes.append(parent)
             self.procs.append(proc)

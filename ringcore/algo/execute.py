@@ -12,7 +12,11 @@ as soon as it is allowed:
 * a receive waits until no pending send reads, and no pending receive or
   combine uses, the region it writes (a region sent at step s and received
   into at step s+N is safe);
-* a combine waits until no pending send still reads the region it writes;
+* a combine of segment k at step s waits until segment k of every earlier
+  step is done, and until no pending send still reads the region it writes:
+  receives are posted ahead, so a frame can arrive before an earlier step has
+  written the region its combine reads (the hierarchical allreduce's
+  cross-host frames race the same host's local ones);
 * a ``whole`` step (one frame, not pipelined) sends, and receives into a
   non-empty region, only once every earlier step is done, so regions that
   nest from step to step (halving-doubling) are written in step order.
@@ -263,14 +267,31 @@ class Executor:
                 _, item, key = posted.popleft()
                 self.to_combine.append((item, key))
                 progressed = True
-        while self.to_combine and self._combine(*self.to_combine[0]):
-            self.to_combine.popleft()
+        return self._drain_combines() or progressed
+
+    def _drain_combines(self) -> bool:
+        """Combine every received segment that may be combined now; whether any was."""
+        queue = self.to_combine
+        combined = False
+        while queue:
+            if self._combine(*queue[0]):
+                queue.popleft()
+            else:  # the oldest must wait: one behind it may be what it waits for
+                for index in range(1, len(queue)):
+                    if self._combine(*queue[index]):
+                        del queue[index]
+                        break
+                else:
+                    return combined
             self.outstanding -= 1
-            progressed = True
-        return progressed
+            combined = True
+        return combined
 
     def _combine(self, item: Item, recv_key: Key) -> bool:
         """Combine a received segment (if the step says so); False if it must wait."""
+        s, k = item
+        if (min(self.done_upto) if self.steps[s].whole else self.done_upto[k]) < s:
+            return False  # an earlier step of this segment is not done: it may still write these regions
         regions = self.combines[item]
         if regions is not None:
             dst, a, b = regions

@@ -263,11 +263,7 @@ class StagedExecutor(Executor):
             _, slot, route = self.uploading.popleft()
             self.free[(route, "recv")].append(slot)
             progressed = True
-        while self.to_combine and self._combine(*self.to_combine[0]):
-            self.to_combine.popleft()
-            self.outstanding -= 1
-            progressed = True
-        return progressed
+        return self._drain_combines() or progressed
 
     def _save(self, user_key: Key) -> bool:
         """Back up a USER region into WORK before overwriting it; False if WORK is busy."""

@@ -1,0 +1,114 @@
+"""The hierarchical allreduce across real processes on emulated hosts: host names of their own.
+
+Each rank takes a host name of its own in a new UTS namespace (root only;
+skipped otherwise), so ranks with one name are a host: placement builds the
+host grid from the names, and ``RINGCORE_TRANSPORT=auto`` connects ranks of
+one host through shared memory and the hosts through TCP. Results against
+numpy, every rank bit-identical, the flat ring agreeing on exact data, and a
+killed rank named by the others.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ringcore
+from tests import tasks
+from tests.cluster import Background, Cluster, RankError, can_own_hostname, qualified, read_stamp
+from tests.reference import check_allreduce
+
+pytestmark = pytest.mark.skipif(
+    not can_own_hostname(), reason="emulated hosts need root (a UTS namespace per rank)"
+)
+
+KIB = 1024
+HOSTS = ["host-a", "host-b", "host-a", "host-b"]  # interleaved, as a round-robin launcher deals ranks
+GRID = ((0, 2), (1, 3))
+
+
+def layout(comm: object) -> dict[str, object]:
+    """What this rank knows of the hosts (a Cluster task)."""
+    from ringcore.slicing import allreduce_schedule
+
+    transport = comm.transport  # type: ignore[attr-defined]
+    schedule = allreduce_schedule(comm.ctx, 1 << 20, 4, in_place=True)  # type: ignore[attr-defined]
+    return {
+        "grid": comm.ctx.grid,  # type: ignore[attr-defined]
+        "transport": type(transport).__name__,
+        "local": list(getattr(transport, "local", [])),
+        "stages": sorted({step.label for step in schedule.steps}),
+    }
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_allreduce_matches_numpy_on_two_hosts_of_two(transport: str) -> None:
+    rng = np.random.default_rng(7)
+    env = {"RINGCORE_TRANSPORT": transport, "RINGCORE_TIMEOUT": "30"}
+    with Cluster(4, env=env, timeout=120, hostnames=HOSTS) as cluster:
+        stages = ["cross allgather", "cross reduce-scatter", "local allgather", "local reduce-scatter"]
+        for rank, report in enumerate(cluster.results(layout)):
+            assert report["grid"] == GRID and report["stages"] == stages
+            if transport == "auto":  # the other rank of its host only
+                assert (report["transport"], report["local"]) == ("ShmTransport", [rank ^ 2])
+        cases = [
+            ("int32", "sum", 4 * KIB),  # below the small limit: recursive doubling
+            ("int64", "max", 256 * KIB + 8),
+            ("float32", "sum", 1024 * KIB),
+            ("float64", "avg", 3 * 1024 * KIB + 24),
+            ("int32", "sum", 9 * 1024 * KIB + 4),
+        ]
+        for dtype, op, nbytes in cases:
+            count = nbytes // np.dtype(dtype).itemsize
+            inputs = [rng.integers(-50, 50, count).astype(dtype) for _ in range(4)]
+            results = cluster.results(tasks.allreduce, inputs, op, timeout=120)
+            for rank, got in enumerate(results):
+                check_allreduce(got, inputs, op, where=f"rank {rank} {dtype} {nbytes} bytes:")
+                assert got.tobytes() == results[0].tobytes()
+        noisy = [rng.standard_normal(300_001).astype(np.float32) for _ in range(4)]
+        for compression in (None, "fp16"):
+            results = cluster.results(tasks.allreduce, noisy, "sum", compression, timeout=120)
+            for rank, got in enumerate(results):
+                check_allreduce(got, noisy, "sum", compression, where=f"rank {rank} {compression}:")
+                assert got.tobytes() == results[0].tobytes()
+
+
+@pytest.mark.timeout(300)
+def test_the_flat_ring_agrees_exactly() -> None:
+    """RINGCORE_HIERARCHICAL=0 on the same hosts: the same integers (exact in any order)."""
+    rng = np.random.default_rng(3)
+    inputs = [rng.integers(-1000, 1000, 700_001).astype(np.int64) for _ in range(4)]
+    found = []
+    for hierarchical in ("1", "0"):
+        env = {"RINGCORE_TRANSPORT": "auto", "RINGCORE_HIERARCHICAL": hierarchical}
+        with Cluster(4, env=env, timeout=120, hostnames=HOSTS) as cluster:
+            found.append(cluster.results(tasks.allreduce, inputs, "sum", timeout=120))
+    for a, b in zip(*found, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, np.sum(inputs, axis=0))
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_is_named_by_every_other_rank(tmp_path: Path) -> None:
+    """kill -9 of a rank halfway through its sends: its host's peer and both ranks of the other host name it."""
+    victim = 3
+    fault = (victim, "kill9", str(tmp_path / "killed_at"), 0.5)
+    env = {"RINGCORE_TRANSPORT": "auto", "RINGCORE_TIMEOUT": "20"}
+    with Cluster(4, env=env, timeout=120, hostnames=HOSTS) as cluster:
+        survivors = [0, 1, 2]
+        doomed = Background(
+            cluster, tasks.allreduce_until_failure, 2_000_000, 3, fault, ranks=[victim], timeout=90
+        )
+        working = Background(
+            cluster, tasks.allreduce_until_failure, 2_000_000, 3, fault, ranks=survivors, timeout=90
+        )
+        reports = working.join(60)
+        (victim_report,) = doomed.join(30)
+        read_stamp(fault[2])
+        assert isinstance(victim_report, RankError) and victim_report.type_name == "dead", victim_report
+        for rank, report in zip(survivors, reports, strict=True):
+            assert report["error"] == qualified(ringcore.PeerFailure), (rank, report)
+            assert report["peer"] == victim and f"rank {victim}" in report["message"], (rank, report)

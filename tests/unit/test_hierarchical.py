@@ -1,0 +1,159 @@
+"""The hierarchical allreduce: in memory (``simulate``), pipelined over the loopback transport, its grid.
+
+Grids of 2-4 hosts of 2-3 ranks, hosts in rank order and interleaved (a
+launcher that deals ranks round-robin), counts from one element per block up
+to primes, against numpy; the cross-host bytes are what the module promises.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ringcore.algo import hierarchical
+from ringcore.algo.hierarchical import Grid
+from ringcore.algo.steps import Buf
+from ringcore.buffers import DTYPES
+from ringcore.kernels.numpy_ops import Reducer
+from ringcore.ops import Compression, ReduceOp
+from ringcore.placement import host_grid, place
+from tests import simulate
+from tests.unit.test_executor import execute, reference, run_ranks, scratch_arrays
+
+pytestmark = pytest.mark.timeout(120)
+
+GRIDS = {
+    "2x2": ((0, 1), (2, 3)),
+    "4x2": ((0, 1), (2, 3), (4, 5), (6, 7)),
+    "2x3": ((0, 1, 2), (3, 4, 5)),
+    "3x2 interleaved": ((0, 3), (1, 4), (2, 5)),
+    "2x4 shuffled": ((5, 0, 7, 2), (1, 6, 3, 4)),
+}
+
+
+def size_of(grid: Grid) -> int:
+    return len(grid) * len(grid[0])
+
+
+def inputs_for(grid: Grid, count: int, dtype: str, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if dtype.startswith("float"):
+        return [rng.standard_normal(count).astype(dtype) for _ in range(size_of(grid))]
+    return [rng.integers(-1000, 1000, count).astype(dtype) for _ in range(size_of(grid))]
+
+
+@pytest.mark.parametrize("name", sorted(GRIDS))
+def test_simulated_results_match_numpy_and_agree_bitwise(name: str) -> None:
+    grid = GRIDS[name]
+    size = size_of(grid)
+    for count in sorted({size, size + 1, 64, 1000, 997}):
+        for dtype, op in (("int32", ReduceOp.SUM), ("int64", ReduceOp.PROD), ("int16", ReduceOp.MIN)):
+            inputs = inputs_for(grid, count, dtype, seed=count)
+            schedules = [hierarchical.allreduce(r, grid, count, 8, 64) for r in range(size)]
+            reducer = Reducer(DTYPES[dtype], op, Compression.NONE, size)
+            for got in simulate.simulate(schedules, inputs, reducer):
+                np.testing.assert_array_equal(got, reference(inputs, op))
+        inputs = inputs_for(grid, count, "float64", seed=count)
+        schedules = [hierarchical.allreduce(r, grid, count, 8, 64) for r in range(size)]
+        results = simulate.simulate(
+            schedules, inputs, Reducer(DTYPES["float64"], ReduceOp.AVG, Compression.NONE, size)
+        )
+        for got in results:
+            np.testing.assert_allclose(got, reference(inputs, ReduceOp.AVG), rtol=1e-12, atol=1e-12)
+            assert got.tobytes() == results[0].tobytes()  # each element reduced by one rank, then copied
+
+
+@pytest.mark.parametrize("name", ["4x2", "2x3", "3x2 interleaved"])
+@pytest.mark.parametrize("segment_bytes", [4, 64])
+def test_pipelined_over_loopback_matches_numpy(name: str, segment_bytes: int) -> None:
+    """Segments of one to a few elements: the local and cross-host steps pipeline in the executor."""
+    grid = GRIDS[name]
+    size, count = size_of(grid), 203
+    inputs = inputs_for(grid, count, "int32", seed=size)
+    reducer_of = lambda: Reducer(DTYPES["int32"], ReduceOp.SUM, Compression.NONE, size)  # noqa: E731
+
+    def body(rank: int, network) -> np.ndarray:
+        reducer = reducer_of()
+        schedule = hierarchical.allreduce(rank, grid, count, 4, segment_bytes)
+        arrays = scratch_arrays(schedule, inputs[rank].copy(), reducer.wire_dtype)
+        execute(network, rank, schedule, arrays, reducer)
+        result = schedule.result
+        return arrays[result.buf][result.start : result.start + result.count].copy()
+
+    for got in run_ranks(size, body, channels=2):
+        np.testing.assert_array_equal(got, reference(inputs, ReduceOp.SUM))
+
+
+def test_fp16_compression_rounds_once_per_hop_and_agrees_bitwise() -> None:
+    grid = GRIDS["4x2"]
+    size, count = 8, 500
+    inputs = inputs_for(grid, count, "float32", seed=5)
+
+    def body(rank: int, network) -> np.ndarray:
+        reducer = Reducer(DTYPES["float32"], ReduceOp.SUM, Compression.FP16, size)
+        schedule = hierarchical.allreduce(rank, grid, count, 2, 128)
+        arrays = scratch_arrays(schedule, inputs[rank].copy(), reducer.wire_dtype, reducer)
+        execute(network, rank, schedule, arrays, reducer)
+        out = np.empty(count, np.float32)
+        reducer.convert(out, arrays[Buf.WORK])
+        return out
+
+    results = run_ranks(size, body)
+    for got in results:
+        np.testing.assert_allclose(got, reference(inputs, ReduceOp.SUM), rtol=0, atol=0.05)
+        assert got.tobytes() == results[0].tobytes()
+
+
+@pytest.mark.parametrize("name", ["4x2", "2x3", "2x4 shuffled"])
+def test_each_host_sends_the_bandwidth_optimal_share_across_hosts(name: str) -> None:
+    """2(H-1)/H of the buffer leaves each host (shared by its L ranks); the rest moves inside hosts."""
+    grid = GRIDS[name]
+    hosts, local = len(grid), len(grid[0])
+    count = hosts * local * 100
+    home = {rank: h for h, row in enumerate(grid) for rank in row}
+    for h, row in enumerate(grid):
+        out = 0
+        for rank in row:
+            for step in hierarchical.allreduce(rank, grid, count, 4, 1 << 20).steps:
+                if step.send is not None and home[step.send_peer] != h:
+                    out += step.send.count
+        assert out == 2 * (hosts - 1) * count // hosts
+
+
+def test_stage_holds_only_this_ranks_chunk() -> None:
+    grid, count = GRIDS["4x2"], 8000
+    for rank in range(8):
+        schedule = hierarchical.allreduce(rank, grid, count, 4, 1 << 20)
+        stage = [
+            r
+            for step in schedule.steps
+            for r in (step.recv, *(step.reduce or ()))
+            if r and r.buf == Buf.STAGE
+        ]
+        assert stage and max(r.start + r.count for r in stage) <= count // 2
+
+
+def test_applies_only_to_several_hosts_of_several_ranks() -> None:
+    assert hierarchical.applies(GRIDS["4x2"], 8)
+    assert not hierarchical.applies(GRIDS["4x2"], 7)  # a block would be empty
+    assert not hierarchical.applies(((0, 1, 2, 3),), 100)  # one host
+    assert not hierarchical.applies(((0,), (1,), (2,)), 100)  # one rank per host
+    assert not hierarchical.applies(None, 100)
+
+
+def record(hostname: str, local_size: int | None = None, local_rank: int | None = None) -> dict:
+    return {"hostname": hostname, "cpus": [0], "local_size": local_size, "local_rank": local_rank}
+
+
+def test_the_grid_orders_hosts_by_lowest_rank_and_ranks_by_local_rank() -> None:
+    records = [record("b"), record("a"), record("b"), record("a")]
+    assert place(0, records).grid == ((0, 2), (1, 3))
+    declared = [record("a", 2, 1), record("a", 2, 0), record("b", 2, 0), record("b", 2, 1)]
+    assert all(place(r, declared).grid == ((1, 0), (2, 3)) for r in range(4))
+
+
+def test_no_grid_for_unequal_hosts_or_a_local_size_the_host_names_contradict() -> None:
+    assert place(0, [record("a"), record("a"), record("b")]).grid is None
+    netns = [record("vm", 1, 0) for _ in range(4)]  # emulated hosts that share a host name
+    assert place(0, netns).grid is None
+    assert host_grid({"a": [0, 1]}, [0, 0], [None, None]) is None  # two ranks claim local rank 0
