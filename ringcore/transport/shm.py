@@ -34,11 +34,7 @@ waits on that it sleeps (the protocol: "Doorbells" in
 :mod:`ringcore.transport.shm_ring`). A peer that publishes a piece (or frees a
 slot this rank waits for) rings the doorbell, a frame, ABORT or hang-up on
 TCP wakes it as TCP would, and every block lasts at most ``BLOCK_MAX`` s, the
-bound on a wake-up lost to store-load reordering, doubling up to
-``BLOCK_CEILING`` while blocks end with nothing moved: a rank of a
-hierarchical allreduce waits on the network for most of a second with local
-receives posted, and a wake-up every millisecond cost it 5% of a core (8
-ranks on 2 cores: user CPU 51% against 36%; after: see bench/RESULTS.md).
+bound on a wake-up lost to store-load reordering.
 
 Idle peers. As :class:`~ringcore.transport.tcp.TcpTransport` looks at a
 connection with nothing posted only when posted work cannot move, news of a
@@ -79,8 +75,7 @@ log = logging.getLogger("ringcore")
 
 TIGHT_SPIN = 50e-6  # seconds of polling without a syscall before yielding
 LIVENESS_EVERY = 1e-3  # seconds between looks at the local peers' TCP news when a collective starts
-BLOCK_MAX = 1e-3  # the first block in poll: what a lost wake-up may cost (shm_ring, "Lost wake-ups")
-BLOCK_CEILING = 16e-3  # blocks double up to this while nothing moves (a long wait on the network)
+BLOCK_MAX = 1e-3  # the longest block in poll: what a lost wake-up may cost (shm_ring, "Lost wake-ups")
 IDLE_GRACE = 0.5  # seconds with nothing moving before news of a peer the posted work does not involve counts
 _YIELDS_PER_TCP_POLL = 8
 _LIVENESS_EVENTS = select.POLLIN | getattr(select, "POLLRDHUP", 0x2000)
@@ -205,7 +200,6 @@ class ShmTransport:
         self.doorbell = doorbell
         self.bells = bells
         self.episode = 0  # the last sleep's number, stored in the rings it waited on
-        self.block_for = BLOCK_MAX  # the next block's bound: doubles while blocks end with nothing moved
         self.liveness = select.poll()  # the local peers' TCP connections, which carry no data
         self.next_liveness = 0.0  # when expect() may poll them again
         self.watched = {control.conns[(peer, 0)].fd: control.conns[(peer, 0)] for peer in self.local}
@@ -353,7 +347,7 @@ class ShmTransport:
                 return True
 
     def _block(self, deadline: float) -> bool:
-        """Sleep in ``poll`` on the doorbell and the TCP sockets, ``block_for`` s at a time, until news."""
+        """Sleep in ``poll`` on the doorbell and the TCP sockets, ``BLOCK_MAX`` s at a time, until news."""
         assert self.doorbell is not None
         while True:
             left = deadline - time.perf_counter()
@@ -366,18 +360,17 @@ class ShmTransport:
                 if self._pump():
                     return True
                 poller = self._poller()
-                ready = poller.poll(max(1, int(min(self.block_for, left) * 1000)))
+                ready = poller.poll(max(1, int(min(BLOCK_MAX, left) * 1000)))
             finally:
                 for link in waiting:
                     link.wake()
             bell = any(fd == self.doorbell.fd for fd, _ in ready)
             if bell:
                 self.doorbell.drain()
-            if self._pump() or ((len(ready) > bell or not ready) and self._tcp_news()):
-                self.block_for = BLOCK_MAX
+            if self._pump():
                 return True
-            if not ready:
-                self.block_for = min(2 * self.block_for, BLOCK_CEILING)
+            if (len(ready) > bell or not ready) and self._tcp_news():
+                return True
 
     def _poller(self) -> select.poll:
         """This rank's doorbell and every TCP socket with something to wait for, as ``TcpTransport`` polls.
