@@ -253,8 +253,9 @@ def _open_rdma(store: StoreClient, world: WorldSpec, settings: Settings) -> tupl
             if device is not None:
                 device.close()
             raise CollectiveTimeout(
-                f"rank {world.rank}: rank {rank} did not publish its RDMA queue pairs within "
-                f"{settings.init_timeout:g} s; is RINGCORE_TRANSPORT the same on every rank?"
+                f"rank {world.rank}: rank {rank} did not publish its RDMA queue pairs (or that it has "
+                f"none) within {settings.init_timeout:g} s (RINGCORE_INIT_TIMEOUT); is it running, with "
+                f"the same world size, RINGCORE_SECRET and RINGCORE_TRANSPORT?{_rejected(store)}"
             ) from None
     failed = {rank: r["error"] for rank, r in enumerate(records) if "error" in r}
     if not failed:

@@ -31,9 +31,11 @@ from tests.bindings import digits
 
 STEPS, BATCH = 20, 60
 _live: dict[str, Any] = {}  # a group kept between tasks (failure tests)
-# DDP models of finished gloo runs, freed at the next run. Freeing one at once can deadlock
-# torch 2.13: ~ProcessGroupGloo (under the GIL) joins a gloo thread that is still destroying
-# the last Work and waits for the GIL to drop a Python object (seen 1 run in 3).
+# DDP models of finished runs, never freed. Freeing one can deadlock torch 2.13:
+# ~ProcessGroupGloo (under the GIL) joins a gloo thread that is still destroying the last Work
+# and waits for the GIL to drop a Python object (seen 1 run in 3 when freed at once, and again
+# when freed at the next run). Rank processes end in os._exit (multiprocessing), so nothing
+# frees them at exit either; a few small models per process.
 _retired: list[Any] = []
 # Broadcast buffers from rank 0 at every forward: ``broadcast_buffers``, renamed in torch 2.13.
 _SYNC_BUFFERS = {
@@ -90,7 +92,6 @@ def train(
             ``2 r`` fewer batches, under ``Join``).
         hook: ``"fp16"``: ringcore's fp16 compression hook.
     """
-    _retired.clear()
     with process_group(comm, backend, port):
         model = _model(kind)
         ddp = DDP(model, **_SYNC_BUFFERS, find_unused_parameters=mode == "unused")
