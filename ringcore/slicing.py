@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from ringcore.algo import broadcast as chain
 from ringcore.algo import halving_doubling, hierarchical, recursive_doubling, ring
 from ringcore.algo.steps import Buf, Schedule
 from ringcore.buffers import Buffer
@@ -58,7 +59,7 @@ def allreduce_schedule(
     nbytes = count * itemsize
     if nbytes <= settings.small_bytes or count < ctx.size:
         return recursive_doubling.allreduce(ctx.rank, ctx.size, count, itemsize, settings.segment_size())
-    if settings.hierarchical and hierarchical.applies(ctx.grid, count):
+    if settings.hierarchical and hierarchical.applies(ctx.grid):
         segment_bytes = settings.segment_size(wide=ctx.wide_segments)
         return hierarchical.allreduce(ctx.rank, ctx.grid, count, itemsize, segment_bytes)  # type: ignore[arg-type]
     if (
@@ -75,6 +76,14 @@ def allreduce_schedule(
         wide=ctx.wide_segments and in_place, whole_chunk=ctx.cache_slices and in_place
     )
     return ring.allreduce(ctx.rank, ctx.size, count, itemsize, segment_bytes, in_place)
+
+
+def broadcast_schedule(ctx: Context, root: int, count: int, itemsize: int) -> Schedule:
+    """The broadcast chain for host and GPU buffers alike: host by host on a job of several hosts."""
+    order = None
+    if ctx.settings.hierarchical and hierarchical.applies(ctx.grid):
+        order = hierarchical.chain_order(ctx.grid, root)  # type: ignore[arg-type]
+    return chain.broadcast(ctx.rank, ctx.size, root, count, itemsize, ctx.settings.segment_size(), order)
 
 
 def slice_bounds(count: int, slice_bytes: int, wire_itemsize: int) -> list[tuple[int, int]]:

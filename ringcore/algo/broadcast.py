@@ -1,6 +1,7 @@
 """Pipelined chain broadcast along the ring, and the dissemination barrier.
 
-Broadcast, theory of operation. Ranks form a chain root, root+1, ..., root-1.
+Broadcast, theory of operation. Ranks form a chain root, root+1, ..., root-1
+(or an order given, host by host on a job of several hosts).
 The root sends its buffer in segments to root+1; every other rank receives
 each segment into WORK and forwards it to its right neighbour as soon as it
 has arrived, so all links carry data at once after a short fill. Then a
@@ -29,13 +30,29 @@ _EMPTY = Region(Buf.WORK, 0, 0)
 
 
 @functools.lru_cache(maxsize=256)
-def broadcast(rank: int, size: int, root: int, count: int, itemsize: int, segment_bytes: int) -> Schedule:
-    """Chain broadcast from ``root``; non-roots' result is WORK, the root's is unchanged."""
+def broadcast(
+    rank: int,
+    size: int,
+    root: int,
+    count: int,
+    itemsize: int,
+    segment_bytes: int,
+    order: tuple[int, ...] | None = None,
+) -> Schedule:
+    """Chain broadcast from ``root``; non-roots' result is WORK, the root's is unchanged.
+
+    ``order``: the chain, starting at ``root`` (default root, root+1, ...;
+    :func:`ringcore.algo.hierarchical.chain_order` visits hosts one by one).
+    """
     if size == 1:
         return Schedule((), 1, None)
-    left, right = neighbours(rank, size)
+    if order is None:
+        left, right = neighbours(rank, size)
+        position = (rank - root) % size
+    else:
+        position = order.index(rank)
+        left, right = order[position - 1], order[(position + 1) % size]
     segments = segment_count(count, itemsize, segment_bytes)
-    position = (rank - root) % size
     data = Region(Buf.WORK, 0, count)
     steps: list[Step] = []
     if position == 0:

@@ -1,39 +1,47 @@
-"""Hierarchical allreduce: inside each host, across hosts, inside each host again.
+"""Hierarchical collectives: inside each host, across hosts, inside each host again.
 
 Theory of operation, for H hosts of L ranks each (``grid[h][l]`` is the rank
 with local rank ``l`` on host ``h``), as Horovod's hierarchical allreduce and
-NCCL's tree-of-rings do, but with every local rank on the network at once:
+NCCL's tree-of-rings do, but with every local rank on the network at once.
+The buffer is cut into H*L *blocks*; block ``(h, l)`` is the one rank
+``grid[h][l]`` ends up owning, and *column* ``l`` is the H blocks ``(*, l)``.
 
-1. Local reduce-scatter: a ring among the L ranks of each host over the L
-   *chunks* of the buffer. Afterwards local rank ``l`` holds chunk ``l``
-   summed over its host, in WORK.
-2. Cross-host allreduce of chunk ``l``: a ring among the H ranks with local
-   rank ``l`` (one per host), over the H *blocks* of that chunk: a
-   scatter-reduce (each receive lands in STAGE and is added into WORK; the
-   last add is ``final``: avg divides there, once) and an allgather. The L
-   rings of a host run at the same time, so each host's link carries
-   ``2 (H-1)/H`` of the buffer each way, where a flat ring of L*H ranks puts
-   ``2 (LH-1)/LH`` of it on the one ring edge that leaves each host (at 4
-   hosts x 2 ranks: 1.5 against 1.75 buffers, 0.86x the time on a link-bound
-   cluster).
-3. Local allgather: a ring among the L ranks of each host spreads the chunks.
+Reduce-scatter (:func:`reduce_scatter_steps`):
 
-Every region is a block: the buffer is cut into L chunks and each chunk into H
-blocks (``np.array_split`` boundaries), and a local step over a chunk is H
-steps, one per block. So all regions of the schedule have (nearly) the same
-length, every region is cut into the same number of segments, and segment
-``k`` of a step depends only on segment ``k`` of earlier steps, which the
-pipelined executor needs (:mod:`ringcore.algo.steps`): the local steps
-pipeline with the cross-host ones.
+1. Local: a ring among the L ranks of each host over the L columns. Afterwards
+   local rank ``l`` holds column ``l`` summed over its host, in WORK.
+2. Across hosts: a ring among the H ranks with local rank ``l`` (one per host)
+   over the blocks of column ``l``; each receive lands in STAGE and is added
+   into WORK (the last add is ``final``: avg divides there, once). The L rings
+   of a host run at the same time. Afterwards rank ``grid[h][l]`` holds block
+   ``(h, l)`` reduced over every rank.
 
-STAGE holds only this rank's chunk (its regions are offset by the chunk's
-first element), so the pages it touches are ``1/L`` of the buffer. Every
+Allgather (:func:`allgather_steps`) walks the same way back: a ring across
+hosts spreads column ``l`` among the ranks with local rank ``l``, then a ring
+inside each host spreads the columns. Allreduce is the two in a row over
+blocks that tile the buffer (column ``l`` contiguous: chunk ``l`` of an L-way
+split, cut H ways); reduce-scatter and allgather take the caller's chunks as
+blocks.
+
+What it saves: each host's link carries ``(H-1)/H`` of the buffer each way per
+half, where a flat ring of L*H ranks puts ``(LH-1)/LH`` of it on the one ring
+edge that leaves each host (allreduce at 4 hosts x 2 ranks: 1.5 against 1.75
+buffers, 0.86x the bytes). Broadcast needs no new schedule: a chain that
+visits the hosts one after the other (:func:`chain_order`) crosses each host
+link once, where a chain in rank order may cross at every hop. Barriers stay
+flat: they carry no bytes.
+
+Pipelining. A local step over a column is H steps, one per block, so every
+region of a schedule is a block: all are cut into the same number of
+segments, and segment ``k`` of a step depends only on segment ``k`` of earlier
+steps, which the pipelined executor needs (:mod:`ringcore.algo.steps`); the
+local steps pipeline with the cross-host ones. STAGE holds only this rank's
+column, packed, so the pages it touches are ``1/L`` of the buffer. Every
 element's final value is computed by one rank and copied to the others, so
-all ranks end bit-identical. The result is all of WORK.
+all ranks end bit-identical.
 
-Cost per rank: 2(L-1)H + 2(H-1) steps; (L-1)/L of the buffer sent twice over
-the host's shared memory or loopback, 2(H-1)/(HL) of it over the network.
-Where it is used: :func:`ringcore.slicing.allreduce_schedule`.
+Where it is used: :func:`ringcore.slicing.allreduce_schedule` and the gather
+and broadcast plans, on a grid from :mod:`ringcore.placement`.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import functools
 from ringcore.algo.steps import Buf, Region, Schedule, Step, chunk_bounds, segment_count
 
 Grid = tuple[tuple[int, ...], ...]  # grid[host][local rank] = rank
+Blocks = tuple[tuple[tuple[int, int], ...], ...]  # blocks[host][local rank] = (start, count)
 
 
 def locate(grid: Grid, rank: int) -> tuple[int, int]:
@@ -53,79 +62,152 @@ def locate(grid: Grid, rank: int) -> tuple[int, int]:
     raise ValueError(f"rank {rank} is not in the host grid {grid}")
 
 
+def applies(grid: Grid | None) -> bool:
+    """Whether ``grid`` has several hosts of several ranks each."""
+    return grid is not None and len(grid) > 1 and len(grid[0]) > 1
+
+
+class _Walk:
+    """One rank's place in the grid, the blocks, and the steps made so far (phases follow their count)."""
+
+    def __init__(self, rank: int, grid: Grid, blocks: Blocks) -> None:
+        self.hosts, self.local = len(grid), len(grid[0])
+        self.host, self.me = locate(grid, rank)
+        self.blocks = blocks
+        row = grid[self.host]
+        self.left, self.right = row[(self.me - 1) % self.local], row[(self.me + 1) % self.local]
+        self.up = grid[(self.host - 1) % self.hosts][self.me]
+        self.down = grid[(self.host + 1) % self.hosts][self.me]
+        packed, self.stage = 0, {}
+        for h in range(self.hosts):  # this rank's column, packed into STAGE
+            self.stage[h] = packed
+            packed += blocks[h][self.me][1]
+        self.steps: list[Step] = []
+
+    def block(self, buf: Buf, host: int, local: int) -> Region:
+        host, local = host % self.hosts, local % self.local
+        start, count = self.blocks[host][local]
+        return Region(buf, self.stage[host] if buf == Buf.STAGE else start, count)
+
+    def add(self, step: Step) -> None:
+        self.steps.append(step)
+
+
+def reduce_scatter_steps(walk: _Walk, source: Buf) -> None:
+    """Steps after which this rank holds its block reduced over every rank, in WORK."""
+    h, me = walk.host, walk.me
+    for s in range(walk.local - 1):  # 1. inside the host, column by column, block by block
+        sent, got = me - s - 1, me - s - 2
+        for j in range(walk.hosts):
+            partial = walk.block(Buf.WORK, j, got)
+            walk.add(
+                Step(
+                    walk.right,
+                    walk.block(source if s == 0 else Buf.WORK, j, sent),
+                    walk.left,
+                    partial,
+                    reduce=(partial, partial, walk.block(source, j, got)),
+                    phase=len(walk.steps),
+                    label="local reduce-scatter",
+                )
+            )
+    for s in range(walk.hosts - 1):  # 2. this rank's column across hosts
+        sent, got = h - s - 1, h - s - 2
+        own = walk.block(Buf.WORK, got, me)
+        arrived = walk.block(Buf.STAGE, got, me)
+        walk.add(
+            Step(
+                walk.down,
+                walk.block(Buf.WORK, sent, me),
+                walk.up,
+                arrived,
+                reduce=(own, arrived, own),
+                final=s == walk.hosts - 2,
+                phase=len(walk.steps),
+                label="cross reduce-scatter",
+            )
+        )
+
+
+def allgather_steps(walk: _Walk) -> None:
+    """Steps that spread every rank's block (in WORK) to every rank's WORK."""
+    h, me = walk.host, walk.me
+    for t in range(walk.hosts - 1):  # 1. this rank's column across hosts
+        walk.add(
+            Step(
+                walk.down,
+                walk.block(Buf.WORK, h - t, me),
+                walk.up,
+                walk.block(Buf.WORK, h - t - 1, me),
+                phase=len(walk.steps),
+                label="cross allgather",
+            )
+        )
+    for t in range(walk.local - 1):  # 2. the columns inside the host, block by block
+        for j in range(walk.hosts):
+            walk.add(
+                Step(
+                    walk.right,
+                    walk.block(Buf.WORK, j, me - t),
+                    walk.left,
+                    walk.block(Buf.WORK, j, me - t - 1),
+                    phase=len(walk.steps),
+                    label="local allgather",
+                )
+            )
+
+
+def _segments(blocks: Blocks, itemsize: int, segment_bytes: int) -> int:
+    return segment_count(max(n for row in blocks for _, n in row), itemsize, segment_bytes)
+
+
 @functools.lru_cache(maxsize=256)
 def allreduce(rank: int, grid: Grid, count: int, itemsize: int, segment_bytes: int) -> Schedule:
     """Hierarchical allreduce of ``count`` elements over ``grid``; the result is all of WORK."""
     hosts, local = len(grid), len(grid[0])
-    host, me = locate(grid, rank)
-    chunks = chunk_bounds(count, local)
-    blocks = [[(first + start, n) for start, n in chunk_bounds(size, hosts)] for first, size in chunks]
-    mine = chunks[me][0]  # STAGE regions are offset by this rank's chunk start
-
-    def block(buf: Buf, chunk: int, j: int) -> Region:
-        start, n = blocks[chunk % local][j % hosts]
-        return Region(buf, start - mine if buf == Buf.STAGE else start, n)
-
-    left, right = grid[host][(me - 1) % local], grid[host][(me + 1) % local]
-    up, down = grid[(host - 1) % hosts][me], grid[(host + 1) % hosts][me]
-    steps: list[Step] = []
-    for s in range(local - 1):  # 1. reduce-scatter inside the host, block by block
-        sent, got = me - s - 1, me - s - 2
-        for j in range(hosts):
-            partial = block(Buf.WORK, got, j)
-            steps.append(
-                Step(
-                    right,
-                    block(Buf.USER if s == 0 else Buf.WORK, sent, j),
-                    left,
-                    partial,
-                    reduce=(partial, partial, block(Buf.USER, got, j)),
-                    phase=len(steps),
-                    label="local reduce-scatter",
-                )
-            )
-    for s in range(hosts - 1):  # 2a. reduce-scatter of this rank's chunk across hosts
-        sent, got = host - s - 1, host - s - 2
-        own = block(Buf.WORK, me, got)
-        steps.append(
-            Step(
-                down,
-                block(Buf.WORK, me, sent),
-                up,
-                block(Buf.STAGE, me, got),
-                reduce=(own, block(Buf.STAGE, me, got), own),
-                final=s == hosts - 2,
-                phase=len(steps),
-                label="cross reduce-scatter",
-            )
-        )
-    for t in range(hosts - 1):  # 2b. allgather of this rank's chunk across hosts
-        steps.append(
-            Step(
-                down,
-                block(Buf.WORK, me, host - t),
-                up,
-                block(Buf.WORK, me, host - t - 1),
-                phase=len(steps),
-                label="cross allgather",
-            )
-        )
-    for t in range(local - 1):  # 3. allgather inside the host
-        for j in range(hosts):
-            steps.append(
-                Step(
-                    right,
-                    block(Buf.WORK, me - t, j),
-                    left,
-                    block(Buf.WORK, me - t - 1, j),
-                    phase=len(steps),
-                    label="local allgather",
-                )
-            )
-    largest = max(n for row in blocks for _, n in row)
-    return Schedule(tuple(steps), segment_count(largest, itemsize, segment_bytes), Region(Buf.WORK, 0, count))
+    columns = chunk_bounds(count, local)
+    split = [chunk_bounds(n, hosts) for _, n in columns]
+    blocks = tuple(
+        tuple((columns[c][0] + split[c][h][0], split[c][h][1]) for c in range(local)) for h in range(hosts)
+    )
+    walk = _Walk(rank, grid, blocks)
+    reduce_scatter_steps(walk, Buf.USER)
+    allgather_steps(walk)
+    return Schedule(tuple(walk.steps), _segments(blocks, itemsize, segment_bytes), Region(Buf.WORK, 0, count))
 
 
-def applies(grid: Grid | None, count: int) -> bool:
-    """Whether ``grid`` has several hosts of several ranks each, and every block of ``count`` an element."""
-    return grid is not None and len(grid) > 1 and len(grid[0]) > 1 and count >= len(grid) * len(grid[0])
+def _rank_blocks(grid: Grid, chunks: tuple[tuple[int, int], ...]) -> Blocks:
+    return tuple(tuple(chunks[rank] for rank in row) for row in grid)
+
+
+@functools.lru_cache(maxsize=256)
+def reduce_scatter(
+    rank: int, grid: Grid, chunks: tuple[tuple[int, int], ...], itemsize: int, segment_bytes: int
+) -> Schedule:
+    """Hierarchical reduce-scatter of USER; the result is this rank's chunk of WORK."""
+    blocks = _rank_blocks(grid, chunks)
+    walk = _Walk(rank, grid, blocks)
+    reduce_scatter_steps(walk, Buf.USER)
+    return Schedule(
+        tuple(walk.steps), _segments(blocks, itemsize, segment_bytes), Region(Buf.WORK, *chunks[rank])
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def allgather(
+    rank: int, grid: Grid, chunks: tuple[tuple[int, int], ...], itemsize: int, segment_bytes: int
+) -> Schedule:
+    """Hierarchical allgather over WORK, which must already hold this rank's chunk."""
+    blocks = _rank_blocks(grid, chunks)
+    walk = _Walk(rank, grid, blocks)
+    allgather_steps(walk)
+    total = sum(n for _, n in chunks)
+    return Schedule(tuple(walk.steps), _segments(blocks, itemsize, segment_bytes), Region(Buf.WORK, 0, total))
+
+
+def chain_order(grid: Grid, root: int) -> tuple[int, ...]:
+    """A broadcast chain from ``root`` that visits the hosts one after the other: H-1 host crossings."""
+    host, me = locate(grid, root)
+    row = grid[host]
+    first = row[me:] + row[:me]
+    return first + tuple(rank for h in range(1, len(grid)) for rank in grid[(host + h) % len(grid)])

@@ -6,13 +6,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ringcore.algo import broadcast as chain
 from ringcore.algo.steps import Buf
 from ringcore.descriptor import Descriptor
 from ringcore.ops import Compression, ReduceOp
 from ringcore.plans.base import CallPlan
 from ringcore.plans.validate import as_buffer, check_root
-from ringcore.slicing import buffer_slices, failure_note
+from ringcore.slicing import broadcast_schedule, buffer_slices, failure_note
 
 if TYPE_CHECKING:
     from ringcore.context import Context
@@ -42,9 +41,7 @@ def plan_broadcast(ctx: Context, obj: Any, root: int) -> CallPlan:
         for part, (start, piece) in enumerate(
             buffer_slices(buffer, ctx.settings.scratch_slice_bytes(), itemsize)
         ):
-            schedule = chain.broadcast(
-                ctx.rank, ctx.size, root, piece.count, itemsize, ctx.settings.segment_size()
-            )
+            schedule = broadcast_schedule(ctx, root, piece.count, itemsize)
             arrays = ctx.scratch_arrays(schedule, piece, buffer.dtype.storage)
             with failure_note(start, 0, buffer.count):
                 ctx.execute(desc, schedule, arrays, reducer, sub=part)

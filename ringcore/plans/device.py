@@ -14,12 +14,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ringcore.algo import broadcast as chain
 from ringcore.algo.steps import Buf
 from ringcore.buffers import Buffer
 from ringcore.descriptor import Descriptor
 from ringcore.ops import Compression, ReduceOp
-from ringcore.slicing import allreduce_schedule, failure_note, note_failure, slice_bounds, writes_user
+from ringcore.slicing import (
+    allreduce_schedule,
+    broadcast_schedule,
+    failure_note,
+    note_failure,
+    slice_bounds,
+    writes_user,
+)
 
 if TYPE_CHECKING:
     from ringcore.context import Context
@@ -68,7 +74,7 @@ def broadcast(ctx: Context, desc: Descriptor, buffer: Buffer, root: int) -> None
         bounds = slice_bounds(buffer.count, ctx.settings.scratch_slice_bytes(), itemsize)
         for part, (start, count) in enumerate(bounds):
             piece = user[start : start + count]
-            schedule = chain.broadcast(ctx.rank, ctx.size, root, count, itemsize, ctx.settings.segment_size())
+            schedule = broadcast_schedule(ctx, root, count, itemsize)
             arrays = dev.scratch_arrays(schedule, piece, buffer.dtype.storage)
             with failure_note(start, 0, buffer.count):
                 ctx.execute(desc, schedule, arrays, reducer, sub=part, staging=dev.staging)

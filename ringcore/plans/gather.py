@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ringcore.algo import ring
-from ringcore.algo.steps import Buf, chunk_bounds
+from ringcore.algo import hierarchical, ring
+from ringcore.algo.steps import Buf, Schedule, chunk_bounds
 from ringcore.buffers import DTYPES
 from ringcore.descriptor import Descriptor
 from ringcore.ops import Compression, ReduceOp
@@ -38,15 +38,28 @@ def plan_allgather(ctx: Context, obj: Any) -> CallPlan:
         if ctx.size > 1:
             desc = Descriptor("allgather", seq, buffer.dtype.name, trailing)
             reducer = ctx.reducer(buffer.dtype, ReduceOp.SUM, Compression.NONE)
-            schedule = ring.allgather(
-                ctx.rank, ctx.size, chunks, buffer.dtype.itemsize, ctx.settings.segment_size()
-            )
+            schedule = gather_schedule(ctx, "allgather", chunks, buffer.dtype.itemsize)
             ctx.execute(desc, schedule, {Buf.WORK: out}, reducer)
         return as_caller_dtype(out, obj).reshape((sum(counts), *trailing))
 
     return CallPlan(
         "allgather", run, nbytes=buffer.nbytes, details={"dtype": buffer.dtype.name, "rows": n_rows}
     )
+
+
+def gather_schedule(ctx: Context, kind: str, chunks: tuple[tuple[int, int], ...], itemsize: int) -> Schedule:
+    """The ring, or on a job of several multi-rank hosts above ``RINGCORE_SMALL_BYTES``, the hierarchy.
+
+    Both halves of :mod:`ringcore.algo.hierarchical` take the caller's chunks
+    as blocks, so the result lands where the ring's does.
+    """
+    segment_bytes = ctx.settings.segment_size()
+    nbytes = sum(n for _, n in chunks) * itemsize
+    if ctx.settings.hierarchical and hierarchical.applies(ctx.grid) and nbytes > ctx.settings.small_bytes:
+        make = hierarchical.allgather if kind == "allgather" else hierarchical.reduce_scatter
+        return make(ctx.rank, ctx.grid, chunks, itemsize, segment_bytes)  # type: ignore[arg-type]
+    make = ring.allgather if kind == "allgather" else ring.reduce_scatter
+    return make(ctx.rank, ctx.size, chunks, itemsize, segment_bytes)
 
 
 def _gather_counts(ctx: Context, seq: int, dtype: str, trailing: tuple[int, ...], n_rows: int) -> list[int]:
@@ -85,9 +98,7 @@ def plan_reduce_scatter(ctx: Context, obj: Any, op: Any, compression: Any) -> Ca
         if ctx.size == 1:
             out[:] = buffer.array
         else:
-            schedule = ring.reduce_scatter(
-                ctx.rank, ctx.size, chunks, reducer.wire_dtype.itemsize, ctx.settings.segment_size()
-            )
+            schedule = gather_schedule(ctx, "reduce_scatter", chunks, reducer.wire_dtype.itemsize)
             arrays = ctx.scratch_arrays(schedule, buffer, reducer.wire_dtype)
             ctx.execute(desc, schedule, arrays, reducer)
             reducer.convert(out, arrays[Buf.WORK][start : start + n])

@@ -34,12 +34,17 @@ def layout(comm: object) -> dict[str, object]:
     from ringcore.slicing import allreduce_schedule
 
     transport = comm.transport  # type: ignore[attr-defined]
+    from ringcore.plans.gather import gather_schedule
+
     schedule = allreduce_schedule(comm.ctx, 1 << 20, 4, in_place=True)  # type: ignore[attr-defined]
+    chunks = tuple((i * 100_000, 100_000) for i in range(4))
+    gathers = [gather_schedule(comm.ctx, kind, chunks, 4) for kind in ("allgather", "reduce_scatter")]  # type: ignore[attr-defined]
     return {
         "grid": comm.ctx.grid,  # type: ignore[attr-defined]
         "transport": type(transport).__name__,
         "local": list(getattr(transport, "local", [])),
         "stages": sorted({step.label for step in schedule.steps}),
+        "gather stages": [sorted({step.label for step in g.steps}) for g in gathers],
     }
 
 
@@ -52,6 +57,7 @@ def test_allreduce_matches_numpy_on_two_hosts_of_two(transport: str) -> None:
         stages = ["cross allgather", "cross reduce-scatter", "local allgather", "local reduce-scatter"]
         for rank, report in enumerate(cluster.results(layout)):
             assert report["grid"] == GRID and report["stages"] == stages
+            assert report["gather stages"] == [stages[:1] + stages[2:3], stages[1:2] + stages[3:]]
             if transport == "auto":  # the other rank of its host only
                 assert (report["transport"], report["local"]) == ("ShmTransport", [rank ^ 2])
         cases = [
@@ -74,6 +80,29 @@ def test_allreduce_matches_numpy_on_two_hosts_of_two(transport: str) -> None:
             for rank, got in enumerate(results):
                 check_allreduce(got, noisy, "sum", compression, where=f"rank {rank} {compression}:")
                 assert got.tobytes() == results[0].tobytes()
+
+
+@pytest.mark.timeout(300)
+def test_broadcast_allgather_reduce_scatter_on_two_hosts_of_two() -> None:
+    """Host-by-host chain broadcast from every root, hierarchical allgather (uneven rows) and reduce_scatter."""
+    rng = np.random.default_rng(5)
+    with Cluster(4, env={"RINGCORE_TRANSPORT": "auto"}, timeout=120, hostnames=HOSTS) as cluster:
+        inputs = [rng.standard_normal(500_003).astype(np.float32) for _ in range(4)]
+        for root in range(4):
+            for got in cluster.results(tasks.broadcast, inputs, root, timeout=120):
+                np.testing.assert_array_equal(got, inputs[root])
+        rows = [rng.integers(-9, 9, (40_000 + 1_000 * r, 3)).astype(np.int32) for r in range(4)]
+        for got in cluster.results(tasks.allgather, rows, timeout=120):
+            np.testing.assert_array_equal(got, np.concatenate(rows))
+        ints = [rng.integers(0, 100, (4 * 50_000 + 3, 2)).astype(np.int64) for _ in range(4)]
+        total = np.sum(ints, axis=0)
+        for rank, got in enumerate(cluster.results(tasks.reduce_scatter, ints, "sum", timeout=120)):
+            np.testing.assert_array_equal(got, np.array_split(total, 4)[rank])
+        noisy = [rng.standard_normal((4 * 30_000, 5)).astype(np.float32) for _ in range(4)]
+        results = cluster.results(tasks.reduce_scatter, noisy, "avg", "fp16", timeout=120)
+        want = np.array_split(np.mean(noisy, axis=0), 4)
+        for rank, got in enumerate(results):
+            np.testing.assert_allclose(got, want[rank], atol=0.01)
 
 
 @pytest.mark.timeout(300)

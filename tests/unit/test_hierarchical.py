@@ -7,9 +7,13 @@ to primes, against numpy; the cross-host bytes are what the module promises.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import numpy as np
 import pytest
 
+from ringcore.algo import broadcast as chain
 from ringcore.algo import hierarchical
 from ringcore.algo.hierarchical import Grid
 from ringcore.algo.steps import Buf
@@ -134,11 +138,10 @@ def test_stage_holds_only_this_ranks_chunk() -> None:
 
 
 def test_applies_only_to_several_hosts_of_several_ranks() -> None:
-    assert hierarchical.applies(GRIDS["4x2"], 8)
-    assert not hierarchical.applies(GRIDS["4x2"], 7)  # a block would be empty
-    assert not hierarchical.applies(((0, 1, 2, 3),), 100)  # one host
-    assert not hierarchical.applies(((0,), (1,), (2,)), 100)  # one rank per host
-    assert not hierarchical.applies(None, 100)
+    assert hierarchical.applies(GRIDS["4x2"])
+    assert not hierarchical.applies(((0, 1, 2, 3),))  # one host
+    assert not hierarchical.applies(((0,), (1,), (2,)))  # one rank per host
+    assert not hierarchical.applies(None)
 
 
 def record(hostname: str, local_size: int | None = None, local_rank: int | None = None) -> dict:
@@ -157,3 +160,67 @@ def test_no_grid_for_unequal_hosts_or_a_local_size_the_host_names_contradict() -
     netns = [record("vm", 1, 0) for _ in range(4)]  # emulated hosts that share a host name
     assert place(0, netns).grid is None
     assert host_grid({"a": [0, 1]}, [0, 0], [None, None]) is None  # two ranks claim local rank 0
+
+
+def uneven_chunks(size: int, seed: int) -> tuple[tuple[int, int], ...]:
+    """Chunks of 0 to 40 elements, one per rank, back to back (allgather's rows may differ)."""
+    counts = np.random.default_rng(seed).integers(0, 40, size)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return tuple((int(s), int(n)) for s, n in zip(starts, counts, strict=True))
+
+
+@pytest.mark.parametrize("name", sorted(GRIDS))
+def test_reduce_scatter_gives_each_rank_its_chunk_reduced(name: str) -> None:
+    grid = GRIDS[name]
+    size = size_of(grid)
+    for seed in range(3):
+        chunks = uneven_chunks(size, seed)
+        count = sum(n for _, n in chunks)
+        inputs = inputs_for(grid, count, "int64", seed=seed)
+        schedules = [hierarchical.reduce_scatter(r, grid, chunks, 8, 32) for r in range(size)]
+        results = simulate.simulate(
+            schedules, inputs, Reducer(DTYPES["int64"], ReduceOp.SUM, Compression.NONE, size)
+        )
+        total = np.sum(inputs, axis=0)
+        for rank, got in enumerate(results):
+            start, n = chunks[rank]
+            np.testing.assert_array_equal(got, total[start : start + n])
+
+
+@pytest.mark.parametrize("name", sorted(GRIDS))
+def test_allgather_spreads_every_chunk_to_every_rank(name: str) -> None:
+    grid = GRIDS[name]
+    size = size_of(grid)
+    for seed in range(3):
+        chunks = uneven_chunks(size, seed)
+        count = sum(n for _, n in chunks)
+        full = np.arange(count, dtype=np.int32) * 7 + 1
+        schedules = [hierarchical.allgather(r, grid, chunks, 4, 32) for r in range(size)]
+        # allgather starts from WORK holding this rank's chunk: simulate's prefill puts USER there
+        schedules = [dataclasses.replace(s, prefill_work=True) for s in schedules]
+        inputs = []
+        for rank in range(size):
+            mine = np.zeros(count, np.int32)
+            start, n = chunks[rank]
+            mine[start : start + n] = full[start : start + n]
+            inputs.append(mine)
+        reducer = Reducer(DTYPES["int32"], ReduceOp.SUM, Compression.NONE, size)
+        for got in simulate.simulate(schedules, inputs, reducer):
+            np.testing.assert_array_equal(got, full)
+
+
+@pytest.mark.parametrize("name", sorted(GRIDS))
+def test_the_broadcast_chain_crosses_each_host_boundary_once(name: str) -> None:
+    grid = GRIDS[name]
+    size = size_of(grid)
+    home = {rank: h for h, row in enumerate(grid) for rank in row}
+    for root in range(size):
+        order = hierarchical.chain_order(grid, root)
+        assert order[0] == root and sorted(order) == list(range(size))
+        assert sum(home[a] != home[b] for a, b in itertools.pairwise(order)) == len(grid) - 1
+        data = np.arange(50, dtype=np.int64) + 100 * root
+        inputs = [data if r == root else np.zeros(50, np.int64) for r in range(size)]
+        schedules = [chain.broadcast(r, size, root, 50, 8, 64, order) for r in range(size)]
+        reducer = Reducer(DTYPES["int64"], ReduceOp.SUM, Compression.NONE, size)
+        for got in simulate.simulate(schedules, inputs, reducer):
+            np.testing.assert_array_equal(got, data)
