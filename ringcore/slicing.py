@@ -1,4 +1,4 @@
-"""Slices, the allreduce's choice of schedule, and what a failed slice leaves: shared by host and GPU plans.
+"""Slices, each collective's choice of schedule, and what a failed slice leaves: shared by host and GPU plans.
 
 Large buffers. Scratch (WORK, STAGE) is as long as what one schedule
 reduces, so an allreduce or broadcast of more than ``RINGCORE_SLICE_BYTES``
@@ -84,6 +84,21 @@ def broadcast_schedule(ctx: Context, root: int, count: int, itemsize: int) -> Sc
     if ctx.settings.hierarchical and hierarchical.applies(ctx.grid):
         order = hierarchical.chain_order(ctx.grid, root)  # type: ignore[arg-type]
     return chain.broadcast(ctx.rank, ctx.size, root, count, itemsize, ctx.settings.segment_size(), order)
+
+
+def gather_schedule(ctx: Context, kind: str, chunks: tuple[tuple[int, int], ...], itemsize: int) -> Schedule:
+    """The ring, or on a job of several multi-rank hosts above ``RINGCORE_SMALL_BYTES``, the hierarchy.
+
+    Both halves of :mod:`ringcore.algo.hierarchical` take the caller's chunks
+    as blocks, so the result lands where the ring's does.
+    """
+    segment_bytes = ctx.settings.segment_size()
+    nbytes = sum(n for _, n in chunks) * itemsize
+    if ctx.settings.hierarchical and hierarchical.applies(ctx.grid) and nbytes > ctx.settings.small_bytes:
+        make = hierarchical.allgather if kind == "allgather" else hierarchical.reduce_scatter
+        return make(ctx.rank, ctx.grid, chunks, itemsize, segment_bytes)  # type: ignore[arg-type]
+    make = ring.allgather if kind == "allgather" else ring.reduce_scatter
+    return make(ctx.rank, ctx.size, chunks, itemsize, segment_bytes)
 
 
 def slice_bounds(count: int, slice_bytes: int, wire_itemsize: int) -> list[tuple[int, int]]:

@@ -6,13 +6,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ringcore.algo import hierarchical, ring
-from ringcore.algo.steps import Buf, Schedule, chunk_bounds
+from ringcore.algo import ring
+from ringcore.algo.steps import Buf, chunk_bounds
 from ringcore.buffers import DTYPES
 from ringcore.descriptor import Descriptor
 from ringcore.ops import Compression, ReduceOp
 from ringcore.plans.base import CallPlan
 from ringcore.plans.validate import as_buffer, as_caller_dtype, check_reduction, host_only, rows
+from ringcore.slicing import gather_schedule
 
 if TYPE_CHECKING:
     from ringcore.context import Context
@@ -45,21 +46,6 @@ def plan_allgather(ctx: Context, obj: Any) -> CallPlan:
     return CallPlan(
         "allgather", run, nbytes=buffer.nbytes, details={"dtype": buffer.dtype.name, "rows": n_rows}
     )
-
-
-def gather_schedule(ctx: Context, kind: str, chunks: tuple[tuple[int, int], ...], itemsize: int) -> Schedule:
-    """The ring, or on a job of several multi-rank hosts above ``RINGCORE_SMALL_BYTES``, the hierarchy.
-
-    Both halves of :mod:`ringcore.algo.hierarchical` take the caller's chunks
-    as blocks, so the result lands where the ring's does.
-    """
-    segment_bytes = ctx.settings.segment_size()
-    nbytes = sum(n for _, n in chunks) * itemsize
-    if ctx.settings.hierarchical and hierarchical.applies(ctx.grid) and nbytes > ctx.settings.small_bytes:
-        make = hierarchical.allgather if kind == "allgather" else hierarchical.reduce_scatter
-        return make(ctx.rank, ctx.grid, chunks, itemsize, segment_bytes)  # type: ignore[arg-type]
-    make = ring.allgather if kind == "allgather" else ring.reduce_scatter
-    return make(ctx.rank, ctx.size, chunks, itemsize, segment_bytes)
 
 
 def _gather_counts(ctx: Context, seq: int, dtype: str, trailing: tuple[int, ...], n_rows: int) -> list[int]:

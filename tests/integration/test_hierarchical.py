@@ -31,10 +31,9 @@ GRID = ((0, 2), (1, 3))
 
 def layout(comm: object) -> dict[str, object]:
     """What this rank knows of the hosts (a Cluster task)."""
-    from ringcore.slicing import allreduce_schedule
+    from ringcore.slicing import allreduce_schedule, gather_schedule
 
     transport = comm.transport  # type: ignore[attr-defined]
-    from ringcore.plans.gather import gather_schedule
 
     schedule = allreduce_schedule(comm.ctx, 1 << 20, 4, in_place=True)  # type: ignore[attr-defined]
     chunks = tuple((i * 100_000, 100_000) for i in range(4))
