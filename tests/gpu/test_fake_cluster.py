@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests import tasks as host_tasks
-from tests.cluster import Background, Cluster
+from tests.cluster import Background, Cluster, can_own_hostname
 from tests.gpu import tasks
 from tests.reference import check_allreduce
 
@@ -178,3 +178,23 @@ def test_mixed_ring_agrees_well_above_the_slice_size() -> None:
         broadcast = [np.arange(40_000, dtype=np.float64) * (r + 1) for r in range(size)]
         for result in cluster.results(tasks.fake_broadcast, broadcast, 1):
             np.testing.assert_array_equal(result, broadcast[1])
+
+
+@pytest.mark.skipif(not can_own_hostname(), reason="emulated hosts need root (a UTS namespace per rank)")
+def test_mixed_ring_agrees_on_the_hierarchical_path() -> None:
+    """Two emulated hosts of two ranks: host and (fake) GPU ranks share the hierarchical allreduce and broadcast."""
+    size = 4
+    rng = np.random.default_rng(12)
+    inputs = list((rng.standard_normal((size, 20_001)) * 3).astype(np.float32))
+    hostnames = ["host-a", "host-b", "host-a", "host-b"]
+    with Cluster(size, env={**RING_ENV, "RINGCORE_TRANSPORT": "auto"}, hostnames=hostnames) as cluster:
+        cluster.results(tasks.use_fake, 4)
+        for op, compression in (("sum", None), ("avg", "fp16")):
+            results = cluster.results(tasks.mixed_ring, inputs, op, compression)
+            host = cluster.results(host_tasks.allreduce, inputs, op, compression)
+            for result in results:
+                np.testing.assert_array_equal(result, host[0].view(np.uint32), err_msg=f"{op} {compression}")
+            check_allreduce(results[1], inputs, op, compression, where="hierarchical mixed ring")
+        for root in (0, 3):
+            for got in cluster.results(tasks.fake_broadcast, inputs, root):
+                np.testing.assert_array_equal(got, inputs[root])
