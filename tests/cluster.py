@@ -314,6 +314,27 @@ class Background:
         return self.out
 
 
+def kill_mid_allreduce(
+    cluster: Cluster, victim: int, stamp: Any, count: int, join_timeout: float = 60.0
+) -> tuple[list[int], list[Any], float]:
+    """kill -9 ``victim`` halfway through its sends, inside the second of 3 rounds of allreduces of ``count``.
+
+    Checks that the victim died; returns the survivors, their reports
+    (``tasks.allreduce_until_failure``) and when the kill happened.
+    """
+    from tests import tasks
+
+    fault = (victim, "kill9", str(stamp), 0.5)
+    survivors = [rank for rank in range(cluster.size) if rank != victim]
+    doomed = Background(cluster, tasks.allreduce_until_failure, count, 3, fault, ranks=[victim], timeout=90)
+    working = Background(cluster, tasks.allreduce_until_failure, count, 3, fault, ranks=survivors, timeout=90)
+    reports = working.join(join_timeout)
+    (victim_report,) = doomed.join(30)
+    killed_at = read_stamp(stamp)
+    assert isinstance(victim_report, RankError) and victim_report.type_name == "dead", victim_report
+    return survivors, reports, killed_at
+
+
 def collect(procs: list[Any], results: Any, count: int, timeout: float) -> dict[Any, Any]:
     """Start plain processes, take ``count`` ``(key, value)`` reports from ``results``, then reap them all."""
     for proc in procs:

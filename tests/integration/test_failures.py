@@ -23,7 +23,16 @@ import pytest
 
 import ringcore
 from tests import tasks
-from tests.cluster import Background, Cluster, RankError, collect, free_port, qualified, read_stamp
+from tests.cluster import (
+    Background,
+    Cluster,
+    RankError,
+    collect,
+    free_port,
+    kill_mid_allreduce,
+    qualified,
+    read_stamp,
+)
 
 DETECTION_BOUND = 30.0  # seconds from the kill to every survivor's error
 BIG = 2_000_000  # float32 elements (8 MB): the ring path, many segments per step
@@ -134,17 +143,10 @@ def test_failed_allreduce_leaves_buffer_untouched() -> None:
 @pytest.mark.parametrize(("size", "victim"), [(3, 1), (4, 0), (5, 4)])
 def test_sigkill_mid_allreduce_fails_every_survivor(size: int, victim: int, tmp_path: Path) -> None:
     """Rank 0 hosts the rendezvous store, so killing it is a case of its own."""
-    fault = (victim, "kill9", str(tmp_path / "killed_at"), 0.5)  # halfway through its sends
     with Cluster(size, env={"RINGCORE_TIMEOUT": "20"}) as cluster:
-        survivors = others(size, victim)
-        doomed = Background(cluster, tasks.allreduce_until_failure, BIG, 3, fault, ranks=[victim], timeout=90)
-        working = Background(
-            cluster, tasks.allreduce_until_failure, BIG, 3, fault, ranks=survivors, timeout=90
+        survivors, reports, killed_at = kill_mid_allreduce(
+            cluster, victim, tmp_path / "killed_at", BIG, join_timeout=DETECTION_BOUND + 30
         )
-        reports = working.join(DETECTION_BOUND + 30)
-        (victim_report,) = doomed.join(30)
-        killed_at = read_stamp(fault[2])
-        assert isinstance(victim_report, RankError) and victim_report.type_name == "dead", victim_report
         for rank, report in zip(survivors, reports, strict=True):
             assert not isinstance(report, RankError), (rank, report)
             assert report["error"] == qualified(ringcore.PeerFailure), (rank, report)

@@ -17,7 +17,7 @@ import pytest
 
 import ringcore
 from tests import tasks
-from tests.cluster import Background, Cluster, RankError, can_own_hostname, qualified, read_stamp
+from tests.cluster import Cluster, can_own_hostname, kill_mid_allreduce, qualified
 from tests.reference import check_allreduce
 
 pytestmark = pytest.mark.skipif(
@@ -123,20 +123,9 @@ def test_the_flat_ring_agrees_exactly() -> None:
 def test_a_killed_rank_is_named_by_every_other_rank(tmp_path: Path) -> None:
     """kill -9 of a rank halfway through its sends: its host's peer and both ranks of the other host name it."""
     victim = 3
-    fault = (victim, "kill9", str(tmp_path / "killed_at"), 0.5)
     env = {"RINGCORE_TRANSPORT": "auto", "RINGCORE_TIMEOUT": "20"}
     with Cluster(4, env=env, timeout=120, hostnames=HOSTS) as cluster:
-        survivors = [0, 1, 2]
-        doomed = Background(
-            cluster, tasks.allreduce_until_failure, 2_000_000, 3, fault, ranks=[victim], timeout=90
-        )
-        working = Background(
-            cluster, tasks.allreduce_until_failure, 2_000_000, 3, fault, ranks=survivors, timeout=90
-        )
-        reports = working.join(60)
-        (victim_report,) = doomed.join(30)
-        read_stamp(fault[2])
-        assert isinstance(victim_report, RankError) and victim_report.type_name == "dead", victim_report
+        survivors, reports, _ = kill_mid_allreduce(cluster, victim, tmp_path / "killed_at", 2_000_000)
         for rank, report in zip(survivors, reports, strict=True):
             assert report["error"] == qualified(ringcore.PeerFailure), (rank, report)
             assert report["peer"] == victim and f"rank {victim}" in report["message"], (rank, report)

@@ -18,7 +18,7 @@ import pytest
 
 import ringcore
 from tests import tasks
-from tests.cluster import Background, Cluster, RankError, qualified, read_stamp
+from tests.cluster import Background, Cluster, kill_mid_allreduce, qualified, read_stamp
 from tests.reference import check_allreduce
 
 SHM = {"RINGCORE_TRANSPORT": "shm", "RINGCORE_TIMEOUT": "20"}
@@ -80,20 +80,9 @@ def test_broadcast_allgather_reduce_scatter() -> None:
 @pytest.mark.timeout(150)
 def test_killed_rank_is_named_and_leaves_nothing_in_dev_shm(tmp_path: Path) -> None:
     size, victim = 3, 1
-    fault = (victim, "kill9", str(tmp_path / "killed_at"), 0.5)  # halfway through its sends
     before = ours()
     with Cluster(size, env=SHM) as cluster:
-        survivors = [r for r in range(size) if r != victim]
-        doomed = Background(
-            cluster, tasks.allreduce_until_failure, 2_000_000, 3, fault, ranks=[victim], timeout=90
-        )
-        working = Background(
-            cluster, tasks.allreduce_until_failure, 2_000_000, 3, fault, ranks=survivors, timeout=90
-        )
-        reports = working.join(60)
-        (victim_report,) = doomed.join(30)
-        read_stamp(fault[2])
-        assert isinstance(victim_report, RankError) and victim_report.type_name == "dead", victim_report
+        survivors, reports, _ = kill_mid_allreduce(cluster, victim, tmp_path / "killed_at", 2_000_000)
         for rank, report in zip(survivors, reports, strict=True):
             assert report["error"] == qualified(ringcore.PeerFailure), (rank, report)
             assert report["peer"] == victim and f"rank {victim}" in report["message"], (rank, report)
