@@ -35,7 +35,12 @@ Pipelining. A local step over a column is H steps, one per block, so every
 region of a schedule is a block: all are cut into the same number of
 segments, and segment ``k`` of a step depends only on segment ``k`` of earlier
 steps, which the pipelined executor needs (:mod:`ringcore.algo.steps`); the
-local steps pipeline with the cross-host ones. STAGE holds only this rank's
+local steps pipeline with the cross-host ones. The local reduce-scatter and
+the cross-host allgather receive into the same WORK blocks; the executor
+posts receives route by route in the order routes first appear, and step 0
+is local, so the local receives are posted first, as the data flow needs
+(a cross-host frame can arrive before the local one it depends on: the
+executor's combine rule holds it back). STAGE holds only this rank's
 column, packed, so the pages it touches are ``1/L`` of the buffer. Every
 element's final value is computed by one rank and copied to the others, so
 all ranks end bit-identical.
