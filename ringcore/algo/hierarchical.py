@@ -94,24 +94,21 @@ class _Walk:
         start, count = self.blocks[host][local]
         return Region(buf, self.stage[host] if buf == Buf.STAGE else start, count)
 
-    def add(self, step: Step) -> None:
-        self.steps.append(step)
 
-
-def reduce_scatter_steps(walk: _Walk, source: Buf) -> None:
-    """Steps after which this rank holds its block reduced over every rank, in WORK."""
+def reduce_scatter_steps(walk: _Walk) -> None:
+    """Steps after which this rank holds its block (of USER, reduced over every rank) in WORK."""
     h, me = walk.host, walk.me
     for s in range(walk.local - 1):  # 1. inside the host, column by column, block by block
         sent, got = me - s - 1, me - s - 2
         for j in range(walk.hosts):
             partial = walk.block(Buf.WORK, j, got)
-            walk.add(
+            walk.steps.append(
                 Step(
                     walk.right,
-                    walk.block(source if s == 0 else Buf.WORK, j, sent),
+                    walk.block(Buf.USER if s == 0 else Buf.WORK, j, sent),
                     walk.left,
                     partial,
-                    reduce=(partial, partial, walk.block(source, j, got)),
+                    reduce=(partial, partial, walk.block(Buf.USER, j, got)),
                     phase=len(walk.steps),
                     label="local reduce-scatter",
                 )
@@ -120,7 +117,7 @@ def reduce_scatter_steps(walk: _Walk, source: Buf) -> None:
         sent, got = h - s - 1, h - s - 2
         own = walk.block(Buf.WORK, got, me)
         arrived = walk.block(Buf.STAGE, got, me)
-        walk.add(
+        walk.steps.append(
             Step(
                 walk.down,
                 walk.block(Buf.WORK, sent, me),
@@ -138,7 +135,7 @@ def allgather_steps(walk: _Walk) -> None:
     """Steps that spread every rank's block (in WORK) to every rank's WORK."""
     h, me = walk.host, walk.me
     for t in range(walk.hosts - 1):  # 1. this rank's column across hosts
-        walk.add(
+        walk.steps.append(
             Step(
                 walk.down,
                 walk.block(Buf.WORK, h - t, me),
@@ -150,7 +147,7 @@ def allgather_steps(walk: _Walk) -> None:
         )
     for t in range(walk.local - 1):  # 2. the columns inside the host, block by block
         for j in range(walk.hosts):
-            walk.add(
+            walk.steps.append(
                 Step(
                     walk.right,
                     walk.block(Buf.WORK, j, me - t),
@@ -176,7 +173,7 @@ def allreduce(rank: int, grid: Grid, count: int, itemsize: int, segment_bytes: i
         tuple((columns[c][0] + split[c][h][0], split[c][h][1]) for c in range(local)) for h in range(hosts)
     )
     walk = _Walk(rank, grid, blocks)
-    reduce_scatter_steps(walk, Buf.USER)
+    reduce_scatter_steps(walk)
     allgather_steps(walk)
     return Schedule(tuple(walk.steps), _segments(blocks, itemsize, segment_bytes), Region(Buf.WORK, 0, count))
 
@@ -192,7 +189,7 @@ def reduce_scatter(
     """Hierarchical reduce-scatter of USER; the result is this rank's chunk of WORK."""
     blocks = _rank_blocks(grid, chunks)
     walk = _Walk(rank, grid, blocks)
-    reduce_scatter_steps(walk, Buf.USER)
+    reduce_scatter_steps(walk)
     return Schedule(
         tuple(walk.steps), _segments(blocks, itemsize, segment_bytes), Region(Buf.WORK, *chunks[rank])
     )
