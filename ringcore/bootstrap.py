@@ -284,7 +284,9 @@ def _open_shm(control: TcpTransport, settings: Settings) -> ShmTransport | TcpTr
     from ringcore.transport import shm_setup
 
     try:
-        transport = shm_setup.connect(control, settings.shm_bytes, settings.init_timeout)
+        transport = shm_setup.connect(
+            control, settings.shm_bytes, settings.init_timeout, settings.shm_single_copy_bytes
+        )
     except BaseException:
         control.close()
         raise

@@ -74,6 +74,9 @@ class Settings:
     # ranks on one host (x86-64, room in /dev/shm; otherwise TCP, with one warning) and TCP between hosts.
     transport: str = "tcp"
     shm_bytes: int = 4 * MIB  # RINGCORE_TRANSPORT=shm or auto: shared memory per ordered pair of local ranks
+    # frames from this size to a local peer go as a pointer it copies with one process_vm_readv; 0: never.
+    # 1 MiB: below it (data in cache) the two slot copies were faster (bench/RESULTS.md, "Single copy")
+    shm_single_copy_bytes: int = 1 * MIB
     ib_device: str | None = None
     ib_port: int = 1
     ib_gid_index: int | None = None
@@ -120,6 +123,9 @@ class Settings:
             ),
             transport=_transport(env.get("RINGCORE_TRANSPORT") or cls.transport),
             shm_bytes=reader.size("RINGCORE_SHM_BYTES", cls.shm_bytes, minimum=64 * KIB),
+            shm_single_copy_bytes=reader.size(
+                "RINGCORE_SHM_SINGLE_COPY_BYTES", cls.shm_single_copy_bytes, minimum=0
+            ),
             ib_device=env.get("RINGCORE_IB_DEVICE") or None,
             ib_port=reader.int("RINGCORE_IB_PORT", cls.ib_port, minimum=1, maximum=255),
             ib_gid_index=reader.int("RINGCORE_IB_GID_INDEX", None, minimum=0, maximum=4095),

@@ -20,6 +20,20 @@ receive (``FrameMismatch`` before a byte lands in the view), copies the
 payload into the view and releases the slot. FIFO per ``(peer, channel)``
 holds because each ring is one stream.
 
+Single copy. That is two copies per frame (into the slot, out of it), each
+by one side. A frame of ``RINGCORE_SHM_SINGLE_COPY_BYTES`` or more to a peer
+that proved at set-up it may read this rank's memory goes as one piece that
+points to the sender's own bytes (their address in its process); the
+receiver copies them straight into its posted view with one
+``process_vm_readv`` (:mod:`ringcore.transport.cma`) and releases the slot,
+and only then is the send done: the caller's bytes must not change before.
+One copy instead of two, made by the receiver alone, which leaves the
+sender's core free. A rank whose collective fails withdraws the pointers not
+yet released before anything else (``cancel``), and a receiver that finds
+its piece withdrawn after its copy discards it and raises the sender's
+reason (its ABORT, waited for up to ``WITHDRAWN_GRACE`` s) or
+``PeerFailure``: no rank takes bytes its sender may already be changing.
+
 Waiting. ``progress`` polls the rings; with nothing to move it polls them in
 a tight loop for ``TIGHT_SPIN`` s (no syscalls; skipped when this host's
 ranks outnumber the CPUs this process may use, where the loop would burn the
@@ -65,8 +79,9 @@ import time
 from collections import deque
 from typing import Any
 
-from ringcore.transport import shm_ring
+from ringcore.transport import cma, shm_ring
 from ringcore.transport.base import FrameMismatch, Request
+from ringcore.transport.registration import view_address
 from ringcore.transport.shm_ring import Doorbell, Ring, Segment
 from ringcore.transport.tcp import TcpTransport
 from ringcore.transport.wire import ProtocolError
@@ -77,30 +92,81 @@ TIGHT_SPIN = 50e-6  # seconds of polling without a syscall before yielding
 LIVENESS_EVERY = 1e-3  # seconds between looks at the local peers' TCP news when a collective starts
 BLOCK_MAX = 1e-3  # the longest block in poll: what a lost wake-up may cost (shm_ring, "Lost wake-ups")
 IDLE_GRACE = 0.5  # seconds with nothing moving before news of a peer the posted work does not involve counts
+WITHDRAWN_GRACE = 2.0  # seconds to wait for the reason of a peer that withdrew a frame (its ABORT)
 _YIELDS_PER_TCP_POLL = 8
 _LIVENESS_EVENTS = select.POLLIN | getattr(select, "POLLRDHUP", 0x2000)
 
 
+class Withdrawn(Exception):
+    """A peer took back a frame this rank was copying from its memory: it gave up on the collective."""
+
+    def __init__(self, peer: int, what: str) -> None:
+        super().__init__(what)
+        self.peer = peer
+        self.what = what
+
+
 class _Link:
-    """One ``(peer, channel)`` carried by shared memory: the ring out, the ring in, their queues."""
+    """One ``(peer, channel)`` carried by shared memory: the ring out, the ring in, their queues.
 
-    __slots__ = ("bell", "channel", "inbound", "outbound", "peer", "recvs", "sends")
+    ``point_from``: frames to the peer of at least this many bytes go as a
+    pointer to this rank's bytes, which the peer copies with one
+    ``process_vm_readv`` (0: never; the peer probed at set-up that it can).
+    ``peer_pid``: the peer's pid, to copy the frames it points to (None: it
+    may not point).
+    """
 
-    def __init__(self, peer: int, channel: int, outbound: Ring, inbound: Ring, bell: int) -> None:
+    __slots__ = (
+        "awaiting",
+        "bell",
+        "channel",
+        "inbound",
+        "outbound",
+        "peer",
+        "peer_pid",
+        "point_from",
+        "recvs",
+        "sends",
+    )
+
+    def __init__(
+        self,
+        peer: int,
+        channel: int,
+        outbound: Ring,
+        inbound: Ring,
+        bell: int,
+        point_from: int = 0,
+        peer_pid: int | None = None,
+    ) -> None:
         self.peer = peer
         self.channel = channel
         self.outbound = outbound
         self.inbound = inbound
         self.bell = bell  # the peer's doorbell, open for writing
+        self.point_from = point_from
+        self.peer_pid = peer_pid
         self.sends: deque[tuple[Request, int, int]] = deque()  # (request, signature, bytes written)
         self.recvs: deque[tuple[Request, int, int]] = deque()  # (request, signature, bytes read)
+        self.awaiting: deque[tuple[Request, int]] = deque()  # sends pointed to, until their piece is released
+
+    def busy(self) -> bool:
+        return bool(self.sends or self.recvs or self.awaiting)
 
     def push(self) -> bool:
-        """Write pieces of queued sends while slots are free."""
+        """Write pieces of queued sends while slots are free; finish the sends the peer has copied."""
         moved = False
         ring = self.outbound
         while self.sends and ring.room():
             request, signature, done = self.sends[0]
+            if done == 0 and self.point_from and request.nbytes >= self.point_from:
+                count = ring.point(
+                    request.tag, signature, request.nbytes, 0, request.nbytes, view_address(request.view)
+                )
+                self.awaiting.append((request, count))
+                self.sends.popleft()
+                moved = True
+                continue
             length = min(ring.slot_bytes, request.nbytes - done)
             ring.write(request.tag, signature, request.nbytes, done, request.view[done : done + length])
             moved = True
@@ -114,10 +180,26 @@ class _Link:
             shm_ring.fence()  # the piece published before the reader's word is read (shm_ring)
             if ring.reader_waits():
                 shm_ring.ring_bell(self.bell)
+        if self.awaiting:
+            released = ring.released_upto()
+            while self.awaiting and self.awaiting[0][1] <= released:
+                self.awaiting.popleft()[0].done = True
+                moved = True
         return moved
 
+    def withdraw(self) -> None:
+        """Take back the pointers the peer has not copied yet: this rank's bytes may change now."""
+        for _, count in self.awaiting:
+            self.outbound.withdraw(count)
+        self.awaiting.clear()
+
     def pull(self) -> bool:
-        """Read pieces into posted receives while they are there; raise on a frame that disagrees."""
+        """Read pieces into posted receives while they are there; raise on a frame that disagrees.
+
+        Raises:
+            FrameMismatch: the frame is not the one posted.
+            Withdrawn: the peer took back a frame this rank was copying from its memory.
+        """
         moved = False
         ring = self.inbound
         while self.recvs:
@@ -125,7 +207,7 @@ class _Link:
             if piece is None:
                 break
             request, signature, done = self.recvs[0]
-            tag, got_signature, nbytes, offset, length = piece
+            tag, got_signature, nbytes, offset, length, address = piece
             if done == 0:
                 if got_signature != signature:
                     raise FrameMismatch(self.peer, "signature", signature, got_signature)
@@ -138,7 +220,11 @@ class _Link:
                     f"rank {self.peer} wrote bytes {offset}-{offset + length} of frame {tag:#x}, "
                     f"expected byte {done} of frame {request.tag:#x} ({request.nbytes} bytes)"
                 )
-            ring.take(request.view[done : done + length], length)
+            if address:
+                self._copy(request.view[done : done + length], address)
+                ring.take(None, 0)
+            else:
+                ring.take(request.view[done : done + length], length)
             moved = True
             done += length
             if done == request.nbytes:
@@ -152,13 +238,29 @@ class _Link:
                 shm_ring.ring_bell(self.bell)
         return moved
 
+    def _copy(self, into: memoryview, address: int) -> None:
+        """Copy a frame the peer pointed to; raise ``Withdrawn`` unless it stayed published throughout."""
+        if self.peer_pid is None:
+            raise ProtocolError(
+                f"rank {self.peer} pointed to its memory, which this rank did not agree to read"
+            )
+        try:
+            cma.read(self.peer_pid, into, address)
+        except OSError as err:
+            raise Withdrawn(
+                self.peer, f"could not be copied from its memory ({err.strerror or err})"
+            ) from None
+        shm_ring.fence()  # the copy done before the word is read again
+        if not self.inbound.still_published():
+            raise Withdrawn(self.peer, "was withdrawn while this rank copied it")
+
     def announce(self, episode: int) -> bool:
         """Say in the rings this link waits on that this rank sleeps; whether it waits on any."""
         waits = False
         if self.recvs:
             self.inbound.reader_asleep[0] = episode
             waits = True
-        if self.sends and not self.outbound.room():
+        if (self.sends and not self.outbound.room()) or self.awaiting:
             self.outbound.writer_asleep[0] = episode
             waits = True
         return waits
@@ -177,6 +279,8 @@ class ShmTransport:
         segments: the mapped segments, unmapped at ``close``.
         doorbell: this rank's FIFO (None without local peers).
         bells: ``peer -> fd`` of each local peer's doorbell, open for writing.
+        point_from: ``peer -> bytes``: frames to the peer from this size go as pointers (absent: never).
+        peer_pids: ``peer -> pid`` of the peers whose pointers this rank copies from.
     """
 
     def __init__(
@@ -186,14 +290,27 @@ class ShmTransport:
         segments: list[Segment],
         doorbell: Doorbell | None = None,
         bells: dict[int, int] | None = None,
+        point_from: dict[int, int] | None = None,
+        peer_pids: dict[int, int] | None = None,
     ) -> None:
         self.rank = control.rank
         self.size = control.size
         self.channels = control.channels
         self.control = control
         bells = bells or {}
+        self.point_from = point_from or {}
+        self.peer_pids = peer_pids or {}
         self.links = {
-            key: _Link(key[0], key[1], out, into, bells[key[0]]) for key, (out, into) in links.items()
+            key: _Link(
+                key[0],
+                key[1],
+                out,
+                into,
+                bells[key[0]],
+                self.point_from.get(key[0], 0),
+                self.peer_pids.get(key[0]),
+            )
+            for key, (out, into) in links.items()
         }
         self.local = sorted({peer for peer, _ in links})
         self.segments = segments
@@ -266,7 +383,7 @@ class ShmTransport:
         if self._remote:
             moved = self._progress_remote(0) or moved
         if not moved and timeout > 0:
-            if any(link.sends or link.recvs for link in self.links.values()):
+            if any(link.busy() for link in self.links.values()):
                 moved = self._wait(timeout)
             else:
                 moved = self._progress_remote(timeout)  # only TCP has work (or nothing has): it waits
@@ -278,6 +395,7 @@ class ShmTransport:
     def cancel(self) -> None:
         """Forget posted work; a frame half written or read leaves its ring mid-frame (abort/close only)."""
         for link in self.links.values():
+            link.withdraw()
             link.sends.clear()
             link.recvs.clear()
         self._remote.clear()
@@ -321,11 +439,27 @@ class ShmTransport:
     def _pump(self) -> bool:
         moved = False
         for link in self.links.values():
-            if link.sends and link.push():
+            if (link.sends or link.awaiting) and link.push():
                 moved = True
-            if link.recvs and link.pull():
-                moved = True
+            try:
+                if link.recvs and link.pull():
+                    moved = True
+            except Withdrawn as gone:
+                raise self._withdrawn(gone) from None
         return moved
+
+    def _withdrawn(self, gone: Withdrawn) -> Exception:
+        """What a withdrawn frame means: the peer's ABORT or hang-up, once it arrives, else a PeerFailure.
+
+        A rank withdraws its pointers when its collective fails, before it
+        sends ABORT with the reason, so the reason is usually a moment away.
+        """
+        conn = self.control.conns[(gone.peer, 0)]
+        deadline = time.perf_counter() + WITHDRAWN_GRACE
+        while time.perf_counter() < deadline and not (conn.departed or conn.early):
+            if select.select([conn.fd], [], [], max(0.0, deadline - time.perf_counter()))[0]:
+                conn.check_idle(self.current)  # raises on ABORT or hang-up
+        return conn.fail(f"sent a frame that {gone.what}; it left the collective")
 
     def _wait(self, timeout: float) -> bool:
         """Poll, then block, until something moves or ``timeout`` s pass ("Waiting", module docstring)."""
@@ -411,7 +545,7 @@ class ShmTransport:
         """The local peers the posted work sends to or receives from; None (all) past the grace."""
         if self._stale():
             return None
-        return {link.peer for link in self.links.values() if link.sends or link.recvs}
+        return {link.peer for link in self.links.values() if link.busy()}
 
     def _hear(self, fd: int, involved: set[int] | None = None) -> None:
         """Read a local peer's news on TCP (raising on ABORT or hang-up), or leave it for later.
@@ -432,7 +566,7 @@ class ShmTransport:
     def _check_departed(self) -> None:
         for link in self.links.values():
             conn = self.control.conns.get((link.peer, 0))
-            if conn is not None and conn.departed and (link.sends or link.recvs):
+            if conn is not None and conn.departed and link.busy():
                 raise conn.fail("shut down (called shutdown()) while this rank still had frames for it")
 
     def _check_idle(self) -> None:

@@ -7,10 +7,20 @@ on (``needed_links``), each ``ring_bytes`` long::
 
     ring:  [released u64 | reader asleep u64 | pad to 64 B] [writer asleep u64 | pad to 64 B]
            [slot 0] [slot 1] ... [slot n-1]
-    slot:  [ready u64 | tag u64 | signature u64 | nbytes u64 | offset u64 | length u64 | pad] [payload]
+    slot:  [ready u64 | tag u64 | signature u64 | nbytes u64 | offset u64 | length u64 |
+            address u64 | pad] [payload]
 
 A frame of ``nbytes`` goes in pieces of at most ``slot_bytes``, one per slot,
-in order; a zero-byte frame is one empty piece. The k-th piece written to a
+in order; a zero-byte frame is one empty piece. A piece with a non-zero
+``address`` carries no payload: its ``length`` bytes are at that address in
+the writer's memory, and the reader copies them from there with
+``process_vm_readv`` (:mod:`ringcore.transport.cma`; the pair probed at
+set-up that it may). The writer's bytes must stay as they are until the
+reader releases that slot, so such a send is done only then. A writer that
+gives up (``cancel``) first withdraws the pieces not yet released by storing
+``ready = 0``; the reader, after its copy, checks that ``ready`` still holds
+the piece's number, so it never takes bytes the writer may already be
+changing. The k-th piece written to a
 ring (k = 0, 1, ...) goes in slot ``k % n``, and is published by storing
 ``ready = k + 1`` last, after its header and payload. The reader of piece k
 waits for ``ready == k + 1``, checks the header, copies the payload out and
@@ -75,7 +85,7 @@ SHM_DIR = "/dev/shm"
 PREFIX = "ringcore-"
 CONTROL_BYTES = 128  # the reader's line (released, asleep), then the writer's (asleep)
 SLOT_HEADER_BYTES = 64
-HEADER_FIELDS = 6  # ready, tag, signature, nbytes, offset, length
+HEADER_FIELDS = 7  # ready, tag, signature, nbytes, offset, length, address
 MAX_SLOTS = 16
 MAX_SLOT_BYTES = 256 * 1024
 
@@ -217,11 +227,29 @@ class Ring:
         slot = self.count % self.slots
         header = self.headers[slot]
         length = piece.nbytes
-        header[1:HEADER_FIELDS] = (tag, signature, nbytes, offset, length)
+        header[1:HEADER_FIELDS] = (tag, signature, nbytes, offset, length, 0)
         if length:
             self.payloads[slot][:length] = piece
         self.count += 1
         header[0] = self.count  # last: the piece is now the reader's
+
+    def point(self, tag: int, signature: int, nbytes: int, offset: int, length: int, address: int) -> int:
+        """Publish a piece whose bytes stay at ``address`` in this process; the count its release reaches."""
+        header = self.headers[self.count % self.slots]
+        header[1:HEADER_FIELDS] = (tag, signature, nbytes, offset, length, address)
+        self.count += 1
+        header[0] = self.count
+        return self.count
+
+    def released_upto(self) -> int:
+        """How many pieces the reader has released."""
+        return int(self.released[0])
+
+    def withdraw(self, count: int) -> None:
+        """Take back piece ``count`` (as :meth:`point` returned it) if the reader has not released it."""
+        header = self.headers[(count - 1) % self.slots]
+        if int(header[0]) == count and self.released_upto() < count:
+            header[0] = 0
 
     def reader_waits(self) -> bool:
         """Whether the reader sleeps in an episode this writer has not rung for (then it must ring)."""
@@ -233,13 +261,17 @@ class Ring:
 
     # -- the reader's side
 
-    def peek(self) -> tuple[int, int, int, int, int] | None:
-        """``(tag, signature, nbytes, offset, length)`` of the next piece, or None if not yet written."""
+    def peek(self) -> tuple[int, int, int, int, int, int] | None:
+        """``(tag, signature, nbytes, offset, length, address)`` of the next piece, or None if not yet written."""
         header = self.headers[self.count % self.slots]
         if int(header[0]) != self.count + 1:
             return None
-        tag, signature, nbytes, offset, length = (int(v) for v in header[1:HEADER_FIELDS])
-        return tag, signature, nbytes, offset, length
+        tag, signature, nbytes, offset, length, address = (int(v) for v in header[1:HEADER_FIELDS])
+        return tag, signature, nbytes, offset, length, address
+
+    def still_published(self) -> bool:
+        """Whether the next piece is still there, not withdrawn by its writer (after a copy from its memory)."""
+        return int(self.headers[self.count % self.slots][0]) == self.count + 1
 
     def take(self, into: memoryview | None, length: int) -> None:
         """Copy the next piece's payload into ``into`` (None: drop it) and release its slot."""

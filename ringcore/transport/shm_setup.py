@@ -7,10 +7,14 @@ TCP mesh, to every peer:
    and contents of a probe file this rank made in ``/dev/shm`` (mode 0600).
    A peer is local only if the identity matches *and* it can read the probe:
    two containers with one hostname and separate ``/dev/shm`` are not fooled.
+   Also this rank's pid and a token in its memory (:class:`cma.Probe`).
 2. segments: whether this rank judged the peer local, and if so the name and
    layout of the segment it made for it and the name of its doorbell FIFO
    (a failure to make one, e.g. ``/dev/shm`` too small, makes the pair use
-   TCP, with one warning naming ``RINGCORE_SHM_BYTES``).
+   TCP, with one warning naming ``RINGCORE_SHM_BYTES``); and whether it could
+   read the peer's token with ``process_vm_readv``: if so, the peer sends it
+   frames of ``RINGCORE_SHM_SINGLE_COPY_BYTES`` or more as pointers, which
+   this rank copies in one pass (:mod:`ringcore.transport.cma`).
 3. mapped: whether this rank mapped the peer's segment and opened its
    doorbell. The receiver unlinks a segment as soon as it has mapped it, the
    sender unlinks it (again) after this round, and so does each rank its
@@ -36,7 +40,7 @@ from typing import Any
 import msgpack
 
 from ringcore.errors import CollectiveTimeout
-from ringcore.transport import shm_ring
+from ringcore.transport import cma, shm_ring
 from ringcore.transport.shm import ShmTransport
 from ringcore.transport.shm_ring import Doorbell, Ring, Segment
 from ringcore.transport.tcp import TcpTransport, needed_links
@@ -51,13 +55,17 @@ _MESSAGE_BYTES = 512
 _LENGTH = struct.Struct("<H")
 
 
-def connect(control: TcpTransport, shm_bytes: int, timeout: float) -> ShmTransport:
+def connect(
+    control: TcpTransport, shm_bytes: int, timeout: float, single_copy_bytes: int = 0
+) -> ShmTransport:
     """Find the peers on this host and connect to them through shared memory (module docstring).
 
     Args:
         control: the job's connected TCP mesh; every rank must call this at the same point.
         shm_bytes: bytes of shared memory per ordered pair (``RINGCORE_SHM_BYTES``).
         timeout: seconds each round may wait for the peers (``RINGCORE_INIT_TIMEOUT``).
+        single_copy_bytes: frames from this size go as pointers where the peer can read this
+            rank's memory (``RINGCORE_SHM_SINGLE_COPY_BYTES``; 0: never).
 
     Raises:
         PeerFailure: a peer died during set-up.
@@ -71,7 +79,8 @@ def connect(control: TcpTransport, shm_bytes: int, timeout: float) -> ShmTranspo
     bells: dict[int, int] = {}
     doorbell: Doorbell | str | None = None
     try:
-        me = {"host": _host_identity(), "probe": probe or "", "token": token}
+        memory = cma.Probe()
+        me = {"host": _host_identity(), "probe": probe or "", "token": token, "memory": memory.record()}
         theirs = _exchange(control, dict.fromkeys(peers, me), timeout)
         local = [peer for peer in peers if not why_not and _is_local(me, theirs[peer])]
         twins = [peer for peer in peers if theirs[peer].get("host") == me["host"]]
@@ -81,6 +90,8 @@ def connect(control: TcpTransport, shm_bytes: int, timeout: float) -> ShmTranspo
         rings = {peer: sum(1 for p, _ in links if p == peer) for peer in local}
         doorbell = _make_doorbell() if local else None
         offers = {peer: _offer(peer, rings[peer], shm_bytes, made, doorbell) for peer in local}
+        for peer in local:
+            offers[peer]["reads"] = cma.readable(theirs[peer].get("memory") or {})
         answers = _exchange(control, {peer: offers.get(peer, {}) for peer in peers}, timeout)
         if probe is not None:
             shm_ring.unlink(probe)
@@ -105,7 +116,11 @@ def connect(control: TcpTransport, shm_bytes: int, timeout: float) -> ShmTranspo
     if isinstance(doorbell, Doorbell):
         shm_ring.unlink(doorbell.name)
     ours = doorbell if isinstance(doorbell, Doorbell) else None
-    return _assemble(control, made, mapped, answers, done, links, ours, bells)
+    point_from = {
+        peer: single_copy_bytes for peer in mapped if single_copy_bytes and answers[peer].get("reads")
+    }
+    peer_pids = {peer: int(theirs[peer]["memory"]["pid"]) for peer in mapped if offers[peer].get("reads")}
+    return _assemble(control, made, mapped, answers, done, links, ours, bells, point_from, peer_pids)
 
 
 def _assemble(
@@ -117,6 +132,8 @@ def _assemble(
     links: list[tuple[int, int]],
     doorbell: Doorbell | None,
     bells: dict[int, int],
+    point_from: dict[int, int],
+    peer_pids: dict[int, int],
 ) -> ShmTransport:
     """The transport over the pairs where both sides mapped; the other segments and doorbells are dropped."""
     rings: dict[tuple[int, int], tuple[Ring, Ring]] = {}
@@ -142,7 +159,7 @@ def _assemble(
     elif doorbell is not None:
         doorbell.close()
         doorbell = None
-    return ShmTransport(control, rings, kept, doorbell, bells)
+    return ShmTransport(control, rings, kept, doorbell, bells, point_from, peer_pids)
 
 
 def _count(links: list[tuple[int, int]], peer: int) -> int:

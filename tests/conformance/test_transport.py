@@ -84,17 +84,23 @@ def rdma_fake_mesh(size: int, channels: int, fabric: FakeFabric | None = None, d
     return transports
 
 
-def shm_mesh(size: int, channels: int, shm_bytes: int = 64 << 10) -> list:
+def shm_mesh(size: int, channels: int, shm_bytes: int = 64 << 10, single_copy_bytes: int = 0) -> list:
     """Shared memory between ranks of this process (threads), over a TCP mesh of the same ranks.
 
     64 KiB per pair (the least RINGCORE_SHM_BYTES allows): 3 slots of 16 KiB, so large frames
     go in many pieces around the ring and the writer often waits for a slot.
+    ``single_copy_bytes``: frames from this size go as pointers (``RINGCORE_SHM_SINGLE_COPY_BYTES``).
     """
     controls = tcp_mesh(size, channels)
     made = in_parallel(
-        *[lambda rank=rank: shm_setup.connect(controls[rank], shm_bytes, 20.0) for rank in range(size)]
+        *[
+            lambda rank=rank: shm_setup.connect(controls[rank], shm_bytes, 20.0, single_copy_bytes)
+            for rank in range(size)
+        ]
     )
     assert all(len(t.local) == size - 1 for t in made), "every rank of this process is on this host"
+    if single_copy_bytes:
+        assert all(len(t.point_from) == size - 1 for t in made), "a process may read its own memory"
     return made
 
 
@@ -123,6 +129,7 @@ def ibverbs_mesh(size: int, channels: int) -> list:
         "loopback",
         "tcp",
         "shm",
+        "shm-single-copy",
         "rdma-fake",
         pytest.param("ibverbs", marks=[pytest.mark.rdma, needs_rdma]),
     ]
@@ -138,6 +145,8 @@ def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
             transports = tcp_mesh(size, channels)
         elif request.param == "shm":
             transports = shm_mesh(size, channels)
+        elif request.param == "shm-single-copy":
+            transports = shm_mesh(size, channels, single_copy_bytes=24)  # frames of 24 bytes and up
         elif request.param == "rdma-fake":
             transports = rdma_fake_mesh(size, channels)
         else:

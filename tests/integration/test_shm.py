@@ -33,7 +33,11 @@ def ours() -> set[str]:
 def shm_peers(comm: object) -> dict[str, object]:
     """The rank's transport and the peers it reaches through shared memory (a Cluster task)."""
     transport = comm.transport  # type: ignore[attr-defined]
-    return {"transport": type(transport).__name__, "local": list(getattr(transport, "local", []))}
+    return {
+        "transport": type(transport).__name__,
+        "local": list(getattr(transport, "local", [])),
+        "single_copy": sorted(getattr(transport, "point_from", {})),
+    }
 
 
 @pytest.mark.timeout(240)
@@ -44,7 +48,8 @@ def test_allreduce_matches_numpy(size: int) -> None:
     with Cluster(size, env=SHM, timeout=120) as cluster:
         reports = cluster.results(shm_peers)
         for rank, report in enumerate(reports):
-            assert report == {"transport": "ShmTransport", "local": [p for p in range(size) if p != rank]}
+            others = [p for p in range(size) if p != rank]
+            assert report == {"transport": "ShmTransport", "local": others, "single_copy": others}
         assert ours() <= before, "segments must be unlinked once the job is connected"
         cases = [
             ("float32", "sum", 4 * KIB),
@@ -135,6 +140,31 @@ def test_auto_uses_shared_memory_between_ranks_on_one_host() -> None:
     inputs = [np.full(300_000, rank + 1, np.float32) for rank in range(size)]
     with Cluster(size, env={"RINGCORE_TRANSPORT": "auto", "RINGCORE_TIMEOUT": "20"}, timeout=60) as cluster:
         for rank, report in enumerate(cluster.results(shm_peers)):
-            assert report == {"transport": "ShmTransport", "local": [p for p in range(size) if p != rank]}
+            assert report["transport"] == "ShmTransport"
+            assert report["local"] == [p for p in range(size) if p != rank]
         for rank, got in enumerate(cluster.results(tasks.allreduce, inputs, "sum", timeout=60)):
             check_allreduce(got, inputs, "sum", where=f"rank {rank}:")
+
+
+@pytest.mark.timeout(180)
+def test_single_copy_and_slots_give_the_same_bits() -> None:
+    """Frames as pointers (one ``process_vm_readv``) or through the slots: every collective, same bits."""
+    size = 3
+    rng = np.random.default_rng(7)
+    inputs = [rng.standard_normal(700_001).astype(np.float32) for _ in range(size)]
+    got = {}
+    for single_copy in ("0", "4K"):
+        env = {**SHM, "RINGCORE_SHM_SINGLE_COPY_BYTES": single_copy}
+        with Cluster(size, env=env, timeout=120) as cluster:
+            reports = cluster.results(shm_peers)
+            assert all(bool(r["single_copy"]) == (single_copy != "0") for r in reports), reports
+            sums = cluster.results(tasks.allreduce, inputs, "sum", timeout=120)
+            for rank, result in enumerate(sums):
+                check_allreduce(result, inputs, "sum", where=f"rank {rank}, single copy from {single_copy}:")
+            shared = cluster.results(
+                tasks.broadcast, [x if r == 1 else np.zeros_like(x) for r, x in enumerate(inputs)], 1
+            )
+            got[single_copy] = (sums, shared)
+    for a, b in zip(got["0"][0] + got["0"][1], got["4K"][0] + got["4K"][1], strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert all(np.asarray(x).tobytes() == inputs[1].tobytes() for x in got["4K"][1])

@@ -4,7 +4,8 @@ The same test bodies, collected here with a ``live`` fixture of its own: three
 configurations that between them reach the ring in several segments over two
 channels (``ring3``), halving-doubling with a folded rank (``halving5``) and
 the defaults (``n2``), every rank on this host, so every frame goes through
-the rings in ``/dev/shm``. A subset of the properties (one per collective and
+the rings in ``/dev/shm`` (``ring3``: most of them as pointers, the
+single-copy path). A subset of the properties (one per collective and
 the special values), to keep the added time near a minute.
 """
 
@@ -32,5 +33,7 @@ SHM = {"RINGCORE_TRANSPORT": "shm", "RINGCORE_SHM_BYTES": "64K"}  # small rings:
 def live(request: pytest.FixtureRequest) -> Any:
     cluster = base.LiveCluster(request.param)
     cluster.env = {**cluster.env, **SHM}
+    if request.param == "ring3":  # frames of 256 bytes and up as pointers, copied with process_vm_readv
+        cluster.env["RINGCORE_SHM_SINGLE_COPY_BYTES"] = "256"
     yield cluster
     cluster.close()

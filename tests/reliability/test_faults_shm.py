@@ -21,13 +21,18 @@ import pytest
 from tests.reliability import test_faults as faults
 
 SHM_SCENARIOS = [
-    ("kill9", "scatter-reduce", 4),
-    ("kill9", "allgather", 2),
-    ("kill9", "idle", 3),
-    ("sigstop", "scatter-reduce", 3),
-    ("sigstop", "idle", 2),
-    ("cut_all", "allgather", 4),
-    ("cut_one", "scatter-reduce", 3),
+    ("kill9", "scatter-reduce", 4, "1M"),
+    ("kill9", "allgather", 2, "1M"),
+    ("kill9", "idle", 3, "1M"),
+    ("sigstop", "scatter-reduce", 3, "1M"),
+    ("sigstop", "idle", 2, "1M"),
+    ("cut_all", "allgather", 4, "1M"),
+    ("cut_one", "scatter-reduce", 3, "1M"),
+    # every frame of 1 KiB or more as a pointer the receiver copies (process_vm_readv)
+    ("kill9", "scatter-reduce", 3, "1K"),
+    ("kill9", "allgather", 4, "1K"),
+    ("sigstop", "allgather", 2, "1K"),
+    ("cut_one", "allgather", 3, "1K"),
 ]
 
 
@@ -36,11 +41,12 @@ def ours() -> set[str]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("kind", "phase", "size"), SHM_SCENARIOS)
+@pytest.mark.parametrize(("kind", "phase", "size", "single_copy"), SHM_SCENARIOS)
 def test_fault_over_shm(
-    kind: str, phase: str, size: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kind: str, phase: str, size: int, single_copy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(faults, "ENV", {**faults.ENV, "RINGCORE_TRANSPORT": "shm"})
+    env = {"RINGCORE_TRANSPORT": "shm", "RINGCORE_SHM_SINGLE_COPY_BYTES": single_copy}
+    monkeypatch.setattr(faults, "ENV", {**faults.ENV, **env})
     before = ours()
     faults.test_fault(kind, phase, size, tmp_path)
     assert ours() <= before, f"left in /dev/shm: {ours() - before}"

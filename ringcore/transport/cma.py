@@ -1,0 +1,100 @@
+"""Cross-memory attach: read bytes straight out of another process's memory (``process_vm_readv``).
+
+The shared-memory transport moves a large frame with one copy instead of two
+(into a slot, out of it): the sender publishes the address of its bytes in a
+slot, and the receiver copies them from the sender's address space into its
+own posted view in one system call (the single-copy path of Open MPI's
+shared-memory transport and of NCCL's P2P/CMA). The kernel allows it where
+the reader may ptrace the writer: same user, and, with Yama's
+``ptrace_scope`` 1 or more, only when the writer allowed it, which ringcore
+never does behind the caller's back. Whether it works is therefore probed
+between each pair at set-up (:class:`Probe`), not assumed; where it does not,
+frames go through the slots.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import sys
+
+from ringcore.transport.registration import view_address
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+def _load() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        function = libc.process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    iovecs = ctypes.POINTER(_Iovec)
+    function.argtypes = [ctypes.c_int, iovecs, ctypes.c_ulong, iovecs, ctypes.c_ulong, ctypes.c_ulong]
+    function.restype = ctypes.c_ssize_t
+    return libc
+
+
+_LIBC = _load()
+
+
+def available() -> bool:
+    """Whether this platform has ``process_vm_readv`` (Linux 3.2+ with glibc or musl)."""
+    return _LIBC is not None
+
+
+def read(pid: int, into: memoryview, address: int) -> None:
+    """Copy ``into.nbytes`` bytes at ``address`` in process ``pid`` into ``into`` (writable, contiguous).
+
+    Raises:
+        OSError: the process is gone (``ESRCH``), the range is not mapped there
+            (``EFAULT``), reading it is not allowed (``EPERM``), or fewer bytes came.
+    """
+    assert _LIBC is not None
+    length = into.nbytes
+    local = _Iovec(view_address(into), length)
+    remote = _Iovec(address, length)
+    got = _LIBC.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    if got < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    if got != length:
+        raise OSError(errno.EFAULT, f"read {got} of {length} bytes")
+
+
+class Probe:
+    """A few random bytes this process keeps, so peers can check they may read its memory."""
+
+    def __init__(self) -> None:
+        self.token = bytearray(os.urandom(16))
+        self.address = view_address(memoryview(self.token))
+
+    def record(self) -> dict[str, int | bytes]:
+        """What a peer needs to try: this process's pid, the token's address and its value."""
+        return {"pid": os.getpid(), "address": self.address, "token": bytes(self.token)}
+
+
+def readable(record: dict[str, object]) -> bool:
+    """Whether this process can read the peer's memory: its probe token, read through its pid, matches.
+
+    A pid from another pid namespace names another process (or none): the
+    token does not match, and the answer is no.
+    """
+    if _LIBC is None:
+        return False
+    token = record.get("token")
+    pid, address = record.get("pid"), record.get("address")
+    if not (isinstance(token, bytes) and isinstance(pid, int) and isinstance(address, int)) or not token:
+        return False
+    into = bytearray(len(token))
+    try:
+        read(pid, memoryview(into), address)
+    except OSError:
+        return False
+    return bytes(into) == token

@@ -1,0 +1,177 @@
+"""Frames as pointers over shared memory: one ``process_vm_readv`` copy instead of two through a slot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ringcore.transport import cma, shm, shm_ring
+from ringcore.transport.base import PeerAborted, Request
+from ringcore.transport.shm_ring import Ring
+from tests.conformance.test_transport import SIG, drive, drive_for, in_parallel, shm_mesh, view
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not cma.available(), reason="no process_vm_readv on this platform"),
+]
+
+_HOLDER = """
+import sys
+from ringcore.transport import cma
+probe = cma.Probe()  # kept alive: peers read its token
+record = probe.record()
+print(record["pid"], record["address"], record["token"].hex(), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_process_reads_another_ones_token_and_nothing_else() -> None:
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None
+        pid, address, token = holder.stdout.readline().split()
+        record = {"pid": int(pid), "address": int(address), "token": bytes.fromhex(token.decode())}
+        assert record["pid"] == holder.pid
+        assert cma.readable(record)
+        assert not cma.readable({**record, "token": b"\0" * 16}), "another value at that address"
+        assert not cma.readable({**record, "pid": os.getpid()}), "another process (another pid namespace)"
+        assert not cma.readable({**record, "address": 8}), "an address not mapped there"
+        assert not cma.readable({"pid": "1"})
+    finally:
+        holder.communicate(b"", timeout=20)
+    assert not cma.readable(record), "the process is gone"
+
+
+def _pair(single_copy_bytes: int, slots: int = 8, slot_bytes: int = 64) -> tuple[shm._Link, shm._Link]:
+    """A writer's and a reader's link over one in-process ring (and an unused ring back)."""
+    nbytes = shm_ring.CONTROL_BYTES + slots * (shm_ring.SLOT_HEADER_BYTES + slot_bytes)
+    forth, back = np.zeros(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    _, bell_w = os.pipe()
+    os.set_blocking(bell_w, False)
+    writer = shm._Link(
+        1, 0, Ring(forth, slots, slot_bytes), Ring(back, slots, slot_bytes), bell_w, single_copy_bytes
+    )
+    reader = shm._Link(
+        0, 0, Ring(back, slots, slot_bytes), Ring(forth, slots, slot_bytes), bell_w, 0, os.getpid()
+    )
+    return writer, reader
+
+
+def test_a_large_frame_goes_as_a_pointer_and_its_send_ends_when_copied() -> None:
+    writer, reader = _pair(single_copy_bytes=100)
+    frames = [np.arange(n, dtype=np.uint8) + k for k, n in enumerate([1000, 10, 4096, 99, 100])]
+    sends = [Request(1, 0, 7 + k, view(f)) for k, f in enumerate(frames)]
+    writer.sends.extend((request, SIG, 0) for request in sends)
+    outs = [np.zeros_like(f) for f in frames]
+    recvs = [Request(0, 0, 7 + k, view(o)) for k, o in enumerate(outs)]
+    reader.recvs.extend((request, SIG, 0) for request in recvs)
+    assert writer.push()
+    assert not sends[0].done and sends[1].done and not sends[2].done, "pointed frames wait for the copy"
+    assert reader.pull()
+    assert [r.done for r in recvs] == [True] * 5
+    writer.push()
+    assert [r.done for r in sends] == [True] * 5 and not writer.awaiting
+    for frame, out in zip(frames, outs, strict=True):
+        np.testing.assert_array_equal(out, frame)
+
+
+def _one_pointed_frame(single_copy_bytes: int = 1) -> tuple[shm._Link, shm._Link, Request, np.ndarray]:
+    writer, reader = _pair(single_copy_bytes)
+    frame = np.full(256, 3, np.uint8)
+    writer.sends.append((Request(1, 0, 9, view(frame)), SIG, 0))
+    out = np.zeros(256, np.uint8)
+    recv = Request(0, 0, 9, view(out))
+    reader.recvs.append((recv, SIG, 0))
+    writer.push()
+    return writer, reader, recv, out
+
+
+def test_a_frame_withdrawn_during_the_copy_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer gave up while the reader copied: its bytes may have changed under the copy."""
+    writer, reader, recv, _ = _one_pointed_frame()
+    real = cma.read
+
+    def read_while_withdrawn(pid: int, into: memoryview, address: int) -> None:
+        writer.withdraw()
+        real(pid, into, address)
+
+    monkeypatch.setattr(cma, "read", read_while_withdrawn)
+    with pytest.raises(shm.Withdrawn, match="withdrawn while this rank copied it"):
+        reader.pull()
+    assert not recv.done
+
+
+def test_a_frame_withdrawn_before_the_copy_is_never_seen() -> None:
+    writer, reader, recv, out = _one_pointed_frame()
+    writer.withdraw()
+    assert not reader.pull() and not recv.done and not out.any()
+
+
+def test_a_pointer_that_cannot_be_copied_is_refused_naming_why() -> None:
+    _, reader, recv, _ = _one_pointed_frame()
+    reader.peer_pid = 2**22 + 12345  # beyond pid_max's default: no such process
+    with pytest.raises(shm.Withdrawn, match="could not be copied from its memory"):
+        reader.pull()
+    assert not recv.done
+
+
+def test_a_reader_that_did_not_agree_refuses_pointers() -> None:
+    _, reader, recv, _ = _one_pointed_frame()
+    reader.peer_pid = None
+    with pytest.raises(shm.ProtocolError, match="did not agree to read"):
+        reader.pull()
+    assert not recv.done
+
+
+def test_the_reason_of_a_peer_that_withdrew_reaches_the_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender's collective failed while the receiver copied: the receiver raises the sender's ABORT."""
+    t = shm_mesh(2, 1, single_copy_bytes=1024)
+    try:
+        frame = np.ones(1 << 20, np.uint8)
+        t[0].isend(1, 0, 5, SIG, view(frame))
+        t[0].progress(0)
+        reason = {"kind": "timeout", "culprit": 0, "message": "rank 0 gave up: no progress"}
+        real = cma.read
+
+        def read_while_the_sender_aborts(pid: int, into: memoryview, address: int) -> None:
+            t[0].cancel()
+            t[0].abort(reason)
+            real(pid, into, address)
+
+        monkeypatch.setattr(cma, "read", read_while_the_sender_aborts)
+        t[1].irecv(0, 0, 5, SIG, view(np.zeros(1 << 20, np.uint8)))
+        with pytest.raises(PeerAborted) as info:
+            drive_for(t[1], 5.0)
+        assert info.value.peer == 0 and info.value.reason == reason
+    finally:
+        for transport in t:
+            transport.close()
+
+
+def test_pointers_and_slots_carry_the_same_frames() -> None:
+    """Frames around the threshold, many at once, both ways: the pointer path agrees with the slots."""
+    rng = np.random.default_rng(5)
+    sizes = [0, 1, 1023, 1024, 1025, 70_000, 3 << 20]
+    frames = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    got: dict[int, list[np.ndarray]] = {}
+    for single_copy_bytes in (0, 1024):
+        t = shm_mesh(2, 1, single_copy_bytes=single_copy_bytes)
+        try:
+            outs = [np.zeros(n, np.uint8) for n in sizes]
+            requests = [t[0].isend(1, 0, 20 + k, SIG, view(f)) for k, f in enumerate(frames)]
+            requests += [t[1].irecv(0, 0, 20 + k, SIG, view(o)) for k, o in enumerate(outs)]
+            sender, receiver = t
+            sends, recvs = requests[: len(sizes)], requests[len(sizes) :]
+            in_parallel(lambda: drive(sender, sends), lambda: drive(receiver, recvs))  # noqa: B023 (run here)
+            for frame, out in zip(frames, outs, strict=True):
+                np.testing.assert_array_equal(out, frame)
+            got[single_copy_bytes] = outs
+        finally:
+            for transport in t:
+                transport.close()
+    for a, b in zip(got[0], got[1024], strict=True):
+        assert a.tobytes() == b.tobytes()
