@@ -398,10 +398,22 @@ class RdmaTransport:
         self.device.post_write(link.index, address, request.nbytes, lkey, ready.address, ready.rkey, imm)
 
     def _check_departed(self) -> None:
-        for link in self.links:
-            conn = self.control.conns.get((link.peer, 0))
-            if conn is not None and conn.departed and (link.sends or link.recvs):
-                raise conn.fail("shut down (called shutdown()) while this rank still had frames for it")
+        """Fail when a peer shut down (BYE) while posted work still involves it.
+
+        Its last writes completed here before its BYE left on TCP, but their
+        completions may be read after the BYE: they are drained once more
+        before a frame counts as missing.
+        """
+        gone = [link for link in self.links if (link.sends or link.recvs) and self._departed(link.peer)]
+        if gone and (self._drain() | self._pump()):
+            gone = [link for link in gone if link.sends or link.recvs]
+        if gone:
+            conn = self.control.conns[(gone[0].peer, 0)]
+            raise conn.fail("shut down (called shutdown()) while this rank still had frames for it")
+
+    def _departed(self, peer: int) -> bool:
+        conn = self.control.conns.get((peer, 0))
+        return conn is not None and conn.departed
 
     def _failure(self, link: Link, status: str) -> PeerFailure:
         """The error for a failed work request, unless the control plane says why first.

@@ -564,10 +564,27 @@ class ShmTransport:
                 self.liveness.unregister(fd)
 
     def _check_departed(self) -> None:
-        for link in self.links.values():
-            conn = self.control.conns.get((link.peer, 0))
-            if conn is not None and conn.departed and link.busy():
-                raise conn.fail("shut down (called shutdown()) while this rank still had frames for it")
+        """Fail when a local peer shut down (BYE) while posted work still involves it.
+
+        Its last frames were in the rings before its BYE left on TCP, but this
+        rank may read the BYE first (TCP is looked at between looks at the
+        rings), so the rings are read once more before a frame counts as
+        missing: a peer that finished the collective and shut down is no failure.
+        """
+        gone = [link for link in self.links.values() if link.busy() and self._departed(link.peer)]
+        if gone and self._pump():
+            gone = [link for link in gone if link.busy()]
+        if gone:
+            link = gone[0]
+            pending = f"{len(link.recvs)} receives, {len(link.sends) + len(link.awaiting)} sends posted"
+            conn = self.control.conns[(link.peer, 0)]
+            raise conn.fail(
+                f"shut down (called shutdown()) while this rank still had frames for it ({pending})"
+            )
+
+    def _departed(self, peer: int) -> bool:
+        conn = self.control.conns.get((peer, 0))
+        return conn is not None and conn.departed
 
     def _check_idle(self) -> None:
         """A frame of the running collective waiting where no receive is posted must agree on the signature."""
