@@ -19,8 +19,9 @@ import ctypes.util
 import errno
 import os
 import sys
+from collections import OrderedDict
 
-from ringcore.transport.registration import view_address
+from ringcore.transport.registration import owner_range, view_address
 
 
 class _Iovec(ctypes.Structure):
@@ -98,3 +99,43 @@ def readable(record: dict[str, object]) -> bool:
     except OSError:
         return False
     return bytes(into) == token
+
+
+class Copyable:
+    """Which of this process's buffers a peer may copy from: the kernel refuses some memory.
+
+    ``process_vm_readv`` pins the pages it reads, and mappings of device
+    memory (``VM_IO``/``VM_PFNMAP``: CUDA's pinned host allocations among
+    them) cannot be pinned so, whatever the permissions: the peer's copy
+    would fail with ``EFAULT``. So before a frame goes as a pointer, the
+    buffer that owns it is tried once, by reading its first and last byte
+    through this process's own pid, and the answer is kept per address range
+    (the ``capacity`` most recent).
+    """
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self.ranges: OrderedDict[tuple[int, int], bool] = OrderedDict()
+
+    def __call__(self, view: memoryview) -> bool:
+        _, start, end = owner_range(view)
+        key = (start, end)
+        known = self.ranges.get(key)
+        if known is None:
+            known = _readable_here(start, end)
+            self.ranges[key] = known
+            if len(self.ranges) > self.capacity:
+                self.ranges.popitem(last=False)
+        else:
+            self.ranges.move_to_end(key)
+        return known
+
+
+def _readable_here(start: int, end: int) -> bool:
+    byte = bytearray(1)
+    try:
+        for address in (start, end - 1):
+            read(os.getpid(), memoryview(byte), address)
+    except OSError:
+        return False
+    return True

@@ -23,7 +23,9 @@ holds because each ring is one stream.
 Single copy. That is two copies per frame (into the slot, out of it), each
 by one side. A frame of ``RINGCORE_SHM_SINGLE_COPY_BYTES`` or more to a peer
 that proved at set-up it may read this rank's memory goes as one piece that
-points to the sender's own bytes (their address in its process); the
+points to the sender's own bytes (their address in its process; not where
+the kernel would refuse the copy, such as CUDA's pinned host memory:
+:class:`cma.Copyable`); the
 receiver copies them straight into its posted view with one
 ``process_vm_readv`` (:mod:`ringcore.transport.cma`) and releases the slot,
 and only then is the send done: the caller's bytes must not change before.
@@ -120,6 +122,7 @@ class _Link:
         "awaiting",
         "bell",
         "channel",
+        "copyable",
         "inbound",
         "outbound",
         "peer",
@@ -138,6 +141,7 @@ class _Link:
         bell: int,
         point_from: int = 0,
         peer_pid: int | None = None,
+        copyable: cma.Copyable | None = None,
     ) -> None:
         self.peer = peer
         self.channel = channel
@@ -146,6 +150,7 @@ class _Link:
         self.bell = bell  # the peer's doorbell, open for writing
         self.point_from = point_from
         self.peer_pid = peer_pid
+        self.copyable = copyable or cma.Copyable()
         self.sends: deque[tuple[Request, int, int]] = deque()  # (request, signature, bytes written)
         self.recvs: deque[tuple[Request, int, int]] = deque()  # (request, signature, bytes read)
         self.awaiting: deque[tuple[Request, int]] = deque()  # sends pointed to, until their piece is released
@@ -159,7 +164,12 @@ class _Link:
         ring = self.outbound
         while self.sends and ring.room():
             request, signature, done = self.sends[0]
-            if done == 0 and self.point_from and request.nbytes >= self.point_from:
+            if (
+                done == 0
+                and self.point_from
+                and request.nbytes >= self.point_from
+                and self.copyable(request.view)
+            ):
                 count = ring.point(
                     request.tag, signature, request.nbytes, 0, request.nbytes, view_address(request.view)
                 )
@@ -300,6 +310,7 @@ class ShmTransport:
         bells = bells or {}
         self.point_from = point_from or {}
         self.peer_pids = peer_pids or {}
+        copyable = cma.Copyable()  # which of this rank's buffers peers may copy from
         self.links = {
             key: _Link(
                 key[0],
@@ -309,6 +320,7 @@ class ShmTransport:
                 bells[key[0]],
                 self.point_from.get(key[0], 0),
                 self.peer_pids.get(key[0]),
+                copyable,
             )
             for key, (out, into) in links.items()
         }

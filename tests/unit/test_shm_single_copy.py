@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -175,3 +176,29 @@ def test_pointers_and_slots_carry_the_same_frames() -> None:
                 transport.close()
     for a, b in zip(got[0], got[1024], strict=True):
         assert a.tobytes() == b.tobytes()
+
+
+def test_memory_the_kernel_will_not_let_peers_copy_is_told_apart_once_per_buffer() -> None:
+    """A mapping without read access stands in for device mappings (CUDA's pinned host memory)."""
+    sealed = mmap.mmap(-1, 1 << 20, prot=0)
+    array = np.ones(1 << 18, np.float32)
+    copyable = cma.Copyable(capacity=2)
+    assert not copyable(memoryview(sealed)[4096:8192])
+    assert copyable(view(array)[40:4000]) and copyable(view(array)[8:16])
+    assert list(copyable.ranges.values()) == [False, True], "one entry per owning buffer"
+    copyable(view(np.ones(8, np.uint8)))
+    assert len(copyable.ranges) == 2
+
+
+def test_a_frame_from_memory_peers_cannot_copy_goes_through_the_slots() -> None:
+    writer, reader = _pair(single_copy_bytes=1)
+    writer.copyable = lambda view: False  # type: ignore[assignment]
+    frame = np.arange(100, dtype=np.uint8)
+    send = Request(1, 0, 9, view(frame))
+    writer.sends.append((send, SIG, 0))
+    out = np.zeros(100, np.uint8)
+    reader.recvs.append((Request(0, 0, 9, view(out)), SIG, 0))
+    writer.push()
+    assert send.done and not writer.awaiting, "in a slot: done at once"
+    reader.pull()
+    np.testing.assert_array_equal(out, frame)
