@@ -72,7 +72,7 @@ class Settings:
     gpu_staging_bytes: int = 8 * MIB  # pinned host memory per connection and direction (GPU buffers)
     # tcp | shm | ibverbs | auto. auto: RDMA when every rank can; else shared memory between the
     # ranks on one host (x86-64, room in /dev/shm; otherwise TCP, with one warning) and TCP between hosts.
-    transport: str = "tcp"
+    transport: str = "auto"
     shm_bytes: int = 4 * MIB  # RINGCORE_TRANSPORT=shm or auto: shared memory per ordered pair of local ranks
     # frames from this size to a local peer go as a pointer it copies with one process_vm_readv; 0: never.
     # 1 MiB: below it (data in cache) the two slot copies were faster (bench/RESULTS.md, "Single copy")
