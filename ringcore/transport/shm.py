@@ -58,7 +58,8 @@ local peer (ABORT, BYE, hang-up) is heard at once when the posted work
 involves that peer (a send to it or a receive from it), and otherwise only
 once nothing has moved for ``IDLE_GRACE`` s, or when the next collective
 starts (``expect``). A shared-memory send is done only once its last piece
-is in a slot, where TCP's is done once its bytes are in the socket buffer,
+is in a slot (a pointer: once the peer copied it), where TCP's is done once
+its bytes are in the socket buffer,
 so a rank here still waits on a live, slow peer where over TCP its data
 would already be in; without the grace, a peer that finished this collective
 and died in the next one would fail this one on every rank that waits.
@@ -425,6 +426,7 @@ class ShmTransport:
         self.closed = True
         self.control.close()
         for link in self.links.values():
+            link.withdraw()  # a peer still copying from this rank's buffers must not finish the copy
             link.outbound.drop()
             link.inbound.drop()
         self.links = {}
