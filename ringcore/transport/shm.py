@@ -23,14 +23,15 @@ holds because each ring is one stream.
 Single copy. That is two copies per frame (into the slot, out of it), each
 by one side. A frame of ``RINGCORE_SHM_SINGLE_COPY_BYTES`` or more to a peer
 that proved at set-up it may read this rank's memory goes as one piece that
-points to the sender's own bytes (their address in its process; not where
-the kernel would refuse the copy, such as CUDA's pinned host memory:
-:class:`cma.Copyable`); the
-receiver copies them straight into its posted view with one
-``process_vm_readv`` (:mod:`ringcore.transport.cma`) and releases the slot,
-and only then is the send done: the caller's bytes must not change before.
-One copy instead of two, made by the receiver alone, which leaves the
-sender's core free. A rank whose collective fails withdraws the pointers not
+points to the sender's own bytes (their address in its process), unless the
+kernel would refuse the copy from that buffer (device mappings such as
+CUDA's pinned host memory: :class:`cma.Copyable`). The receiver copies them
+straight into its posted view with one ``process_vm_readv``
+(:mod:`ringcore.transport.cma`) and releases the slot, and only then is the
+send done: the caller's bytes must not change before. One copy instead of
+two, made by the receiver alone, which leaves the sender's core free; below
+1 MiB the system call and its page pinning cost more than a second copy in
+cache (``bench/HISTORY.md``, "one copy for large frames"). A rank whose collective fails withdraws the pointers not
 yet released before anything else (``cancel``), and a receiver that finds
 its piece withdrawn after its copy discards it and raises the sender's
 reason (its ABORT, waited for up to ``WITHDRAWN_GRACE`` s) or
