@@ -111,18 +111,30 @@ def test_bad_gpu_buffers_fail_before_sending(case: str, error: str, words: str) 
         assert cluster.results(tasks.fake_then_host, 10) == [2.0, 2.0]
 
 
+def check_mixed_ring(
+    cluster: Cluster,
+    inputs: list[np.ndarray],
+    where: str,
+    cases: tuple[tuple[str, str | None], ...] = (("sum", None), ("avg", "fp16")),
+) -> None:
+    """The mixed ring (fake-GPU ranks among host ranks) gives every rank the bits of an all-host allreduce."""
+    for op, compression in cases:
+        results = cluster.results(tasks.mixed_ring, inputs, op, compression)
+        host = cluster.results(host_tasks.allreduce, inputs, op, compression)  # every rank on the host
+        for result in results:
+            np.testing.assert_array_equal(
+                result, host[0].view(np.uint32), err_msg=f"{where}: {op} {compression}"
+            )
+        check_allreduce(results[1], inputs, op, compression, where=where)
+
+
 def test_mixed_ring_of_host_and_gpu_ranks_agrees() -> None:
     size = 3
     rng = np.random.default_rng(9)
     inputs = list((rng.standard_normal((size, 6000)) * 3).astype(np.float32))
     with Cluster(size, env=RING_ENV) as cluster:
         cluster.results(tasks.use_fake, 2)
-        for op, compression in (("sum", None), ("avg", "fp16"), ("max", "fp16")):
-            results = cluster.results(tasks.mixed_ring, inputs, op, compression)
-            host = cluster.results(host_tasks.allreduce, inputs, op, compression)  # every rank on the host
-            for result in results:
-                np.testing.assert_array_equal(result, host[0].view(np.uint32), err_msg=f"{op} {compression}")
-            check_allreduce(results[1], inputs, op, compression, where="mixed ring")
+        check_mixed_ring(cluster, inputs, "mixed ring", (("sum", None), ("avg", "fp16"), ("max", "fp16")))
 
 
 def test_async_gpu_allreduces() -> None:
@@ -169,12 +181,7 @@ def test_mixed_ring_agrees_well_above_the_slice_size() -> None:
     inputs = list((rng.standard_normal((size, 60_000)) * 3).astype(np.float32))
     with Cluster(size, env=SLICED_ENV) as cluster:
         cluster.results(tasks.use_fake, 3)
-        for op, compression in (("sum", None), ("avg", "fp16")):
-            results = cluster.results(tasks.mixed_ring, inputs, op, compression)
-            host = cluster.results(host_tasks.allreduce, inputs, op, compression)
-            for result in results:
-                np.testing.assert_array_equal(result, host[0].view(np.uint32), err_msg=f"{op} {compression}")
-            check_allreduce(results[1], inputs, op, compression, where="sliced mixed ring")
+        check_mixed_ring(cluster, inputs, "sliced mixed ring")
         broadcast = [np.arange(40_000, dtype=np.float64) * (r + 1) for r in range(size)]
         for result in cluster.results(tasks.fake_broadcast, broadcast, 1):
             np.testing.assert_array_equal(result, broadcast[1])
@@ -189,12 +196,7 @@ def test_mixed_ring_agrees_on_the_hierarchical_path() -> None:
     hostnames = ["host-a", "host-b", "host-a", "host-b"]
     with Cluster(size, env={**RING_ENV, "RINGCORE_TRANSPORT": "auto"}, hostnames=hostnames) as cluster:
         cluster.results(tasks.use_fake, 4)
-        for op, compression in (("sum", None), ("avg", "fp16")):
-            results = cluster.results(tasks.mixed_ring, inputs, op, compression)
-            host = cluster.results(host_tasks.allreduce, inputs, op, compression)
-            for result in results:
-                np.testing.assert_array_equal(result, host[0].view(np.uint32), err_msg=f"{op} {compression}")
-            check_allreduce(results[1], inputs, op, compression, where="hierarchical mixed ring")
+        check_mixed_ring(cluster, inputs, "hierarchical mixed ring")
         for root in (0, 3):
             for got in cluster.results(tasks.fake_broadcast, inputs, root):
                 np.testing.assert_array_equal(got, inputs[root])
