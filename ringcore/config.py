@@ -75,7 +75,7 @@ class Settings:
     transport: str = "auto"
     shm_bytes: int = 4 * MIB  # RINGCORE_TRANSPORT=shm or auto: shared memory per ordered pair of local ranks
     # frames from this size to a local peer go as a pointer it copies with one process_vm_readv; 0: never.
-    # 1 MiB: below it (data in cache) the two slot copies were faster (bench/RESULTS.md, "Single copy")
+    # 1 MiB: below it (data in cache) the two slot copies were faster (bench/HISTORY.md, "one copy for large frames")
     shm_single_copy_bytes: int = 1 * MIB
     ib_device: str | None = None
     ib_port: int = 1
