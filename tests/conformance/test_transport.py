@@ -414,6 +414,35 @@ def test_abort_reaches_peers_with_the_reason(mesh: Mesh) -> None:
         assert "gave up" in str(info.value)
 
 
+@pytest.mark.parametrize("kind", ["shm", "rdma-fake"])
+def test_a_frame_sent_before_the_peers_bye_counts_even_if_the_bye_is_read_first(kind: str) -> None:
+    """Data beside the TCP mesh (rings, RDMA writes) and BYE on it: a peer that sent its last frame
+    and shut down is no failure, though this rank may read its BYE before that frame."""
+    t = shm_mesh(2, 1) if kind == "shm" else rdma_fake_mesh(2, 1)
+    try:
+        data, out = np.arange(100, dtype=np.uint8), np.zeros(100, np.uint8)
+        recv = t[0].irecv(1, 0, 3, SIG, view(out))
+        t[0].progress(0)  # RDMA: the receive announced
+        drive(t[1], [t[1].isend(0, 0, 3, SIG, view(data))])
+        t[1].close()  # BYE on TCP, after the frame is in the ring or written
+        conn = t[0].control.conns[(1, 0)]
+        end = time.monotonic() + DEADLINE
+        while not conn.departed:
+            assert time.monotonic() < end, "the peer's BYE never came"
+            conn.check_idle((0, 0))
+            time.sleep(0.01)
+        assert not recv.done
+        t[0]._check_departed()  # what a waiting rank does once it sees the BYE, before its data
+        assert recv.done
+        np.testing.assert_array_equal(out, data)
+        t[0].irecv(1, 0, 4, SIG, view(out))  # a frame the peer never sent
+        with pytest.raises(PeerFailure, match=r"rank 1 .* shut down"):
+            t[0]._check_departed()
+    finally:
+        for transport in t:
+            transport.close()
+
+
 def test_close_is_idempotent(mesh: Mesh) -> None:
     t = mesh(2, 1)
     t[0].close()
