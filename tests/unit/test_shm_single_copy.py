@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from ringcore.errors import PeerFailure
 from ringcore.transport import cma, shm, shm_ring
 from ringcore.transport.base import PeerAborted, Request
 from ringcore.transport.shm_ring import Ring
@@ -148,6 +149,31 @@ def test_the_reason_of_a_peer_that_withdrew_reaches_the_reader(monkeypatch: pyte
         with pytest.raises(PeerAborted) as info:
             drive_for(t[1], 5.0)
         assert info.value.peer == 0 and info.value.reason == reason
+    finally:
+        for transport in t:
+            transport.close()
+
+
+def test_a_peer_that_withdrew_without_a_reason_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ABORT within the grace (say the sender died right after): a PeerFailure naming it."""
+    monkeypatch.setattr(shm, "WITHDRAWN_GRACE", 0.2)
+    t = shm_mesh(2, 1, single_copy_bytes=1024)
+    try:
+        t[0].isend(1, 0, 5, SIG, view(np.ones(1 << 20, np.uint8)))
+        t[0].progress(0)
+        real = cma.read
+
+        def read_while_withdrawn(pid: int, into: memoryview, address: int) -> None:
+            t[0].cancel()
+            real(pid, into, address)
+
+        monkeypatch.setattr(cma, "read", read_while_withdrawn)
+        t[1].irecv(0, 0, 5, SIG, view(np.zeros(1 << 20, np.uint8)))
+        with pytest.raises(
+            PeerFailure, match="withdrawn while this rank copied it; it left the collective"
+        ) as info:
+            drive_for(t[1], 5.0)
+        assert info.value.peer == 0
     finally:
         for transport in t:
             transport.close()
