@@ -38,6 +38,14 @@ and progressed (header, then payload), never read by the latency path's
 single ``recvmsg_into``, which would spill an unexpected frame's first bytes
 into the caller's memory.
 
+Combining from a peer's memory. A step whose received bytes are only a
+combine operand (``lend`` in the program: :mod:`ringcore.algo.program`) is
+posted with the transport's ``irecv_lent`` when it has one (shared memory),
+for frames from its ``lend_from`` bytes. If the transport lent the frame, the
+combine reads the pieces where they arrived (:func:`_combine_lent`) and the
+transport gets them back right after; otherwise the bytes are in the region
+and the combine is the usual one. Same operands, same order: same bits.
+
 What it does not do, so :func:`fits` sends those schedules to the Executor:
 pipelining (more than one segment), writing the caller's buffer with
 ``atomic`` (the backup and restore), converting USER to the wire dtype on the
@@ -64,6 +72,7 @@ from ringcore.transport import wire
 from ringcore.transport.base import Request, Transport
 
 _BUFS = tuple(Buf)  # iterating an Enum class runs Python on every call
+_LENDABLE_ITEMSIZES = (1, 2, 4, 8, 16)  # divide every slot (a power of two >= 64 bytes): no element is split
 
 
 def fits(
@@ -84,15 +93,19 @@ def fits(
 
 
 Wire = tuple[int, int, memoryview]  # (peer, channel, bytes)
-Bound = tuple[int, Wire | None, Wire | None, tuple[np.ndarray, np.ndarray, np.ndarray] | None, bool, bool]
+Bound = tuple[
+    int, Wire | None, Wire | None, tuple[np.ndarray, np.ndarray, np.ndarray] | None, bool, bool, int
+]
 
 
 def bind(program: Program, arrays: dict[Buf, np.ndarray]) -> tuple[Bound, ...]:
     """``program``'s steps in order (:attr:`Program.lockstep`) with their regions resolved to views of ``arrays``.
 
     A step is ``(tag bits, (peer, channel, view) | None, same for the receive,
-    (dst, a, b) arrays | None, final, scratch)``; ``scratch`` is False when
-    the receive lands in USER (see the module docstring). Binding once and
+    (dst, a, b) arrays | None, final, scratch, lend)``; ``scratch`` is False when
+    the receive lands in USER (see the module docstring); ``lend`` is the
+    program's (which combine operand the received bytes are, 0: they must
+    land in their region), kept where elements never straddle a slot. Binding once and
     running many times (the small form of :class:`ringcore.plans.allreduce.AllreducePlan`) saves a
     small allreduce the slicing and casting of every call.
     """
@@ -112,12 +125,14 @@ def bind(program: Program, arrays: dict[Buf, np.ndarray]) -> tuple[Bound, ...]:
         return whole[lo * itemsize : hi * itemsize]
 
     bound: list[Bound] = []
-    for tag_bits, send, recv, reduce, final in program.lockstep:
+    for tag_bits, send, recv, reduce, final, lend in program.lockstep:
         wire_send = (send[0], send[1], wire(send[2])) if send else None
         wire_recv = (recv[0], recv[1], wire(recv[2])) if recv else None
         arrays_of = (view(reduce[0]), view(reduce[1]), view(reduce[2])) if reduce else None
         scratch = recv is None or recv[2][0] != Buf.USER
-        bound.append((tag_bits, wire_send, wire_recv, arrays_of, final, scratch))
+        if lend and arrays_of is not None and arrays_of[lend].itemsize not in _LENDABLE_ITEMSIZES:
+            lend = 0
+        bound.append((tag_bits, wire_send, wire_recv, arrays_of, final, scratch, lend))
     return tuple(bound)
 
 
@@ -141,12 +156,14 @@ def run_bound(
         transport.expect(seq_bits >> 32, signature)
         swap = getattr(transport, "swap", None)  # a transport's latency path (TCP's)
         exchange = getattr(transport, "exchange", None)
+        lend_receive = getattr(transport, "irecv_lent", None)  # shared memory: combine from its slots
+        lend_from = getattr(transport, "lend_from", 0)
         posted = (
             {index: _post_receive(transport, steps[index], seq_bits, signature) for index in early}
             if early
             else {}
         )
-        for index, (tag_bits, send, recv, reduce, final, scratch) in enumerate(steps):
+        for index, (tag_bits, send, recv, reduce, final, scratch, lend) in enumerate(steps):
             direct = scratch and index not in posted  # the latency path may read this receive
             pair = None if swap is None or not direct else swap(send, recv, seq_bits | tag_bits, signature)
             if pair is not None:
@@ -158,16 +175,21 @@ def run_bound(
                 if send is not None:
                     sent = transport.isend(send[0], send[1], seq_bits | tag_bits, signature, send[2])
                 if recv is not None:
-                    received = (
-                        posted[index]
-                        if index in posted
-                        else transport.irecv(recv[0], recv[1], seq_bits | tag_bits, signature, recv[2])
-                    )
+                    if index in posted:
+                        received = posted[index]
+                    elif lend and lend_receive is not None and recv[2].nbytes >= lend_from:
+                        received = lend_receive(recv[0], recv[1], seq_bits | tag_bits, signature, recv[2])
+                    else:
+                        received = transport.irecv(recv[0], recv[1], seq_bits | tag_bits, signature, recv[2])
                 done = (sent is None or sent.done) and (received is None or received.done)
                 if not done and (exchange is None or not scratch or not exchange(sent, received)):
                     _wait(transport, sent, received, timeout, interrupt)
             if reduce is not None:
-                reducer.combine(reduce[0], reduce[1], reduce[2], final)
+                if received is not None and received.lent:
+                    _combine_lent(reducer, reduce, lend, received.lent, final)
+                    transport.release(received)  # type: ignore[attr-defined]
+                else:
+                    reducer.combine(reduce[0], reduce[1], reduce[2], final)
     except BaseException:
         transport.cancel()
         raise
@@ -210,8 +232,28 @@ class LockstepExecutor:
         )
 
 
+def _combine_lent(
+    reducer: Reducer,
+    reduce: tuple[np.ndarray, np.ndarray, np.ndarray],
+    lend: int,
+    lent: list[tuple[int, memoryview]],
+    final: bool,
+) -> None:
+    """The step's combine with operand ``lend`` (1: a, 2: b) read from the lent pieces where they lie."""
+    dst, a, b = reduce
+    dtype = reduce[lend].dtype
+    for offset, piece in lent:
+        lo = offset // dtype.itemsize
+        hi = lo + piece.nbytes // dtype.itemsize
+        got = np.frombuffer(piece, dtype)
+        if lend == 1:
+            reducer.combine(dst[lo:hi], got, b[lo:hi], final)
+        else:
+            reducer.combine(dst[lo:hi], a[lo:hi], got, final)
+
+
 def _post_receive(transport: Transport, step: Bound, seq_bits: int, signature: int) -> Request:
-    tag_bits, _, recv, _, _, _ = step
+    tag_bits, _, recv, _, _, _, _ = step
     assert recv is not None
     return transport.irecv(recv[0], recv[1], seq_bits | tag_bits, signature, recv[2])
 

@@ -11,6 +11,14 @@ one) run those queues. A one-segment program also carries its steps in order
 time, with the same tags, connections and regions, so a rank running either
 executor agrees with its peers.
 
+Lending. Each lockstep step also says whether its received bytes may stay
+where they arrived (``lend``): when they are one operand of the step's
+combine (1: ``a``, 2: ``b``) and nothing after the combine reads the region
+they were meant for (it is the combine's destination, or no later step and
+not the result reads it). A transport that keeps frames in memory the
+receiver can read (shared memory's slots) then lends them for the combine
+instead of copying them into that region first (:mod:`ringcore.algo.lockstep`).
+
 Programs are cached per transport and schedule object (:func:`compile_program`;
 the schedule builders are memoized), so a training loop that reduces the same
 tensors compiles each schedule once.
@@ -30,8 +38,8 @@ Route = tuple[int, int]  # (peer, channel)
 Item = tuple[int, int]  # (step, segment)
 Frame = tuple[int, int, Key]  # (peer, channel, region)
 LockstepStep = tuple[
-    int, Frame | None, Frame | None, tuple[Key, Key, Key] | None, bool
-]  # tag, send, recv, reduce, final
+    int, Frame | None, Frame | None, tuple[Key, Key, Key] | None, bool, int
+]  # tag, send, recv, reduce, final, lend
 
 
 def _key(region: Region) -> Key:
@@ -158,10 +166,50 @@ def _in_order(
                 dst = dataclasses.replace(dst, buf=Buf.USER)
                 writes_user = True
             reduce = (_key(dst), _key(a), _key(b))
-        steps.append((wire.make_tag(0, step.phase, 0), send, recv, reduce, step.final))
+        lend = _lend(schedule, index, reduce)
+        steps.append((wire.make_tag(0, step.phase, 0), send, recv, reduce, step.final, lend))
     if schedule.segments != 1:
         return (), writes_user, ()
     return tuple(steps), writes_user, tuple(early)
+
+
+def _lend(schedule: Schedule, index: int, reduce: tuple[Key, Key, Key] | None) -> int:
+    """Whether step ``index``'s received bytes may stay where they arrived: the operand they are, or 0.
+
+    They may when they are operand ``a`` (1) or ``b`` (2) of the step's
+    combine and the region they were meant for is never read again: it is the
+    combine's destination, or no later step sends or combines from it before
+    a later receive overwrites all of it, and it is not part of the result.
+    """
+    step = schedule.steps[index]
+    if reduce is None or step.recv is None or step.recv.count == 0:
+        return 0
+    got = _key(step.recv)
+    which = 1 if got == reduce[1] else 2 if got == reduce[2] else 0
+    if not which or got == reduce[0]:
+        return which
+    for after in schedule.steps[index + 1 :]:
+        if after.send is not None and _overlap(step.recv, after.send):
+            return 0
+        if after.recv is not None and _covers(after.recv, step.recv):
+            return which  # overwritten before anything reads it
+        if after.reduce is not None and any(_overlap(step.recv, region) for region in after.reduce[1:]):
+            return 0
+    if schedule.result is not None and _overlap(step.recv, schedule.result):
+        return 0
+    return which
+
+
+def _overlap(x: Region, y: Region) -> bool:
+    return x.buf == y.buf and x.start < y.start + y.count and y.start < x.start + x.count
+
+
+def _covers(outer: Region, inner: Region) -> bool:
+    return (
+        outer.buf == inner.buf
+        and outer.start <= inner.start
+        and inner.start + inner.count <= outer.start + outer.count
+    )
 
 
 def leading_done(step_done: list[list[bool]], part: int) -> int:

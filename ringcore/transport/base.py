@@ -13,6 +13,13 @@ the collective's *signature* (a hash of what the rank was asked to do); the
 receiver checks both, so ranks that disagree fail with a clear error instead
 of reducing garbage.
 
+Optional: a transport whose frames land in memory the receiver can read in
+place (shared memory) also has ``irecv_lent``, which posts a receive as
+``irecv`` does but may complete it with the bytes left where they arrived
+(``Request.lent``), and ``release(request)``, which gives that memory back.
+Until then no later frame on that connection is read. The lockstep
+executor combines straight from lent bytes, which saves a copy.
+
 What ``progress`` raises:
     PeerFailure: the peer closed the connection or the link broke.
     PeerAborted: the peer aborted the collective and said why.
@@ -27,9 +34,14 @@ from ringcore.errors import RingcoreError
 
 
 class Request:
-    """One posted send or receive; ``done`` turns true when its bytes have moved."""
+    """One posted send or receive; ``done`` turns true when its bytes have moved.
 
-    __slots__ = ("channel", "done", "nbytes", "peer", "tag", "view")
+    ``lent``: for a receive a transport lent (``irecv_lent``, shared memory),
+    the frame's bytes where they arrived, as ``(byte offset, bytes)`` pieces,
+    readable until the transport's ``release(request)``; None: they are in ``view``.
+    """
+
+    __slots__ = ("channel", "done", "lent", "nbytes", "peer", "tag", "view")
 
     def __init__(self, peer: int, channel: int, tag: int, view: memoryview) -> None:
         self.peer = peer
@@ -38,6 +50,7 @@ class Request:
         self.view = view
         self.nbytes = view.nbytes
         self.done = False
+        self.lent: list[tuple[int, memoryview]] | None = None
 
 
 class FrameMismatch(RingcoreError):

@@ -24,7 +24,8 @@ changing. The k-th piece written to a
 ring (k = 0, 1, ...) goes in slot ``k % n``, and is published by storing
 ``ready = k + 1`` last, after its header and payload. The reader of piece k
 waits for ``ready == k + 1``, checks the header, copies the payload out and
-stores ``released = k + 1``; the writer reuses a slot only once
+stores ``released = k + 1`` (or, lending the frame, reads the payload in
+place and stores ``released`` only once done with it); the writer reuses a slot only once
 ``k - released < n``. The counters never wrap (64 bits).
 
 Doorbells. A side that has waited long enough blocks in ``poll`` instead of
@@ -282,6 +283,16 @@ class Ring:
         if into is not None and length:
             into[:length] = self.payloads[slot][:length]
         self.count += 1
+        self.released[0] = self.count
+
+    def lend(self, length: int) -> memoryview:
+        """The next piece's payload where it lies; its slot stays the reader's until :meth:`release`."""
+        slot = self.count % self.slots
+        self.count += 1
+        return self.payloads[slot][:length]
+
+    def release(self) -> None:
+        """Give back every slot read so far, lent ones included."""
         self.released[0] = self.count
 
     def writer_waits(self) -> bool:

@@ -146,6 +146,55 @@ def test_auto_uses_shared_memory_between_ranks_on_one_host() -> None:
             check_allreduce(got, inputs, "sum", where=f"rank {rank}:")
 
 
+def lent_and_copied(comm: object, cases: list[tuple[list[np.ndarray], str]]) -> dict[str, object]:
+    """Each allreduce combined from the peers' slots, then with every frame copied first (a Cluster task)."""
+    from ringcore.algo import lockstep
+
+    transport = comm.transport  # type: ignore[attr-defined]
+    combined = lockstep._combine_lent
+    lent = [0]
+
+    def counted(*args: object) -> None:
+        lent[0] += 1
+        combined(*args)  # type: ignore[arg-type]
+
+    lockstep._combine_lent = counted  # type: ignore[assignment]
+    lend_from = transport.lend_from
+    try:
+        out: dict[str, object] = {}
+        for label, threshold in (("lent", lend_from), ("copied", 1 << 62)):
+            transport.lend_from = threshold
+            out[label] = [
+                comm.allreduce(inputs[comm.rank].copy(), op=op)  # type: ignore[attr-defined]
+                for inputs, op in cases
+            ]
+            out[f"{label} combines"] = lent[0]
+            lent[0] = 0
+        return out
+    finally:
+        lockstep._combine_lent = combined  # type: ignore[assignment]
+        transport.lend_from = lend_from
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_combining_from_the_peers_slots_gives_the_bits_of_copying_first(size: int) -> None:
+    """Ring, recursive and halving-doubling, with avg's division on the lent pieces: same bits either way."""
+    rng = np.random.default_rng(size)
+    shapes = [("float32", "sum", 64 * KIB), ("float64", "avg", 600 * KIB + 8), ("int32", "max", 1024 * KIB)]
+    cases = []
+    for dtype, op, nbytes in shapes:
+        count = nbytes // np.dtype(dtype).itemsize
+        cases.append(([rng.standard_normal(count).astype(dtype) * 100 for _ in range(size)], op))
+    with Cluster(size, env=SHM, timeout=120) as cluster:
+        reports = cluster.results(lent_and_copied, cases, timeout=120)
+    for rank, report in enumerate(reports):
+        assert report["lent combines"] > 0 and report["copied combines"] == 0, report
+        for (inputs, op), lent, copied in zip(cases, report["lent"], report["copied"], strict=True):
+            check_allreduce(lent, inputs, op, where=f"rank {rank}, {inputs[0].dtype} {op} lent:")
+            assert lent.tobytes() == copied.tobytes(), f"rank {rank} {inputs[0].dtype} {op}"
+
+
 @pytest.mark.timeout(180)
 def test_single_copy_and_slots_give_the_same_bits() -> None:
     """Frames as pointers (one ``process_vm_readv``) or through the slots: every collective, same bits."""

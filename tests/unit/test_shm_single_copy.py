@@ -158,8 +158,9 @@ def test_a_peer_that_withdrew_without_a_reason_is_named(monkeypatch: pytest.Monk
     """No ABORT within the grace (say the sender died right after): a PeerFailure naming it."""
     monkeypatch.setattr(shm, "WITHDRAWN_GRACE", 0.2)
     t = shm_mesh(2, 1, single_copy_bytes=1024)
+    sent = np.ones(1 << 20, np.uint8)  # kept alive: the copy must fail on the withdrawal, not a freed page
     try:
-        t[0].isend(1, 0, 5, SIG, view(np.ones(1 << 20, np.uint8)))
+        t[0].isend(1, 0, 5, SIG, view(sent))
         t[0].progress(0)
         real = cma.read
 
