@@ -5,7 +5,7 @@
 #   bench/ab_revisions.sh BASE HEAD [ROUNDS]     e.g. bench/ab_revisions.sh b02283e HEAD 4
 #
 # Each revision is checked out in a worktree under ${AB_DIR:-/tmp/ringcore-ab}; every round
-# runs float32 sum at 4K,64K,1M,16M,64M and fp16 at 16M (torch's casts), N=2 and N=4,
+# runs float32 sum at ${AB_SIZES:-4K,64K,1M,16M,64M} and fp16 at 16M (torch's casts), N=2 and N=4,
 # and the table gives the median time of each side, the ratio and the ranges.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ for side in base head; do
 done
 bench() {  # SIDE N ROUND
     local tree=$dir/$1
-    (cd "$tree" && PYTHONPATH=$tree $py -m ringcore.bench.cli --np "$2" --sizes 4K,64K,1M,16M,64M -n 40 -w 5 -c 0 |
+    (cd "$tree" && PYTHONPATH=$tree $py -m ringcore.bench.cli --np "$2" --sizes "${AB_SIZES:-4K,64K,1M,16M,64M}" -n 40 -w 5 -c 0 |
         awk -v s="$1" -v n="$2" -v r="$3" '/^ +[0-9]+ /{print r, n, s, $1, "float32", $6}'
      cd "$tree" && PYTHONPATH=$tree $py -m ringcore.bench.cli --np "$2" --sizes 16M -n 20 -w 3 -c 0 \
         --compression fp16 --with-torch | awk -v s="$1" -v n="$2" -v r="$3" '/^ +[0-9]+ /{print r, n, s, $1, "fp16", $6}') >> "$log"
