@@ -53,10 +53,15 @@ Waiting. ``progress`` polls the rings; with nothing to move it polls them in
 a tight loop for ``TIGHT_SPIN`` s (no syscalls; skipped when this host's
 ranks outnumber the CPUs this process may use, where the loop would burn the
 time slice of the peer it waits for: 4 KiB at N=4 on 2 cores took 290 us
-with it, 125-150 us without), then with ``sched_yield`` between polls
+with it, 125-150 us without; never longer than ``spin``, so
+``RINGCORE_SPIN_US=0`` means no spinning at all, as an emulated cluster
+whose hosts share cores needs), then with ``sched_yield`` between polls
 until ``spin`` s (``RINGCORE_SPIN_US``), looking at the TCP sockets too every
 few yields, so an ABORT or a dead peer is seen while waiting on shared
-memory ("Idle peers" below). Then it blocks,
+memory ("Idle peers" below), and at every poll while frames to or from
+other hosts are posted. A lockstep step whose peers are both on other hosts
+takes TCP's latency path (``swap`` and ``exchange`` hand it to the TCP
+transport), as it would without shared memory. Then it blocks,
 like TCP's ``poll``, on something the kernel wakes: one ``poll`` over this
 rank's doorbell FIFO and the TCP mesh's sockets, having said in the rings it
 waits on that it sleeps (the protocol: "Doorbells" in
@@ -449,6 +454,42 @@ class ShmTransport:
         link.recvs.append((request, signature, 0))
         return request
 
+    def swap(
+        self,
+        send: tuple[int, int, memoryview] | None,
+        recv: tuple[int, int, memoryview] | None,
+        tag: int,
+        signature: int,
+    ) -> tuple[Request | None, Request | None] | None:
+        """TCP's latency path (``TcpTransport.swap``) for a step whose peers are both on other hosts.
+
+        None, having done nothing, when a peer is on this host (its frames go
+        through the rings: post them) or TCP has frames queued.
+        """
+        if self._is_local(send) or self._is_local(recv):
+            return None
+        pair = self.control.swap(send, recv, tag, signature)
+        if pair is not None:
+            self.last_moved = time.perf_counter()
+            self._remote.extend(request for request in pair if request is not None)
+        return pair
+
+    def exchange(self, sent: Request | None, received: Request | None) -> bool:
+        """TCP's ``exchange`` for a step whose peers are both on other hosts; False otherwise."""
+        if self._is_local(sent) or self._is_local(received):
+            return False
+        done = self.control.exchange(sent, received)
+        if done:
+            self.last_moved = time.perf_counter()
+            self._remote = [request for request in self._remote if not request.done]
+        return done
+
+    def _is_local(self, frame: tuple[int, int, memoryview] | Request | None) -> bool:
+        if frame is None:
+            return False
+        peer = frame.peer if isinstance(frame, Request) else frame[0]
+        return (peer, 0) in self.links
+
     def progress(self, timeout: float) -> bool:
         moved = self._pump()
         if self._remote:
@@ -543,14 +584,14 @@ class ShmTransport:
             now = time.perf_counter()
             if now > deadline:
                 return False
-            if now - start > self.tight_spin:
+            if now - start > min(self.tight_spin, self.spin):  # RINGCORE_SPIN_US=0: no spinning at all
                 if now - start >= self.spin and self.doorbell is not None:
                     return self._block(deadline)
                 os.sched_yield()
                 polls += 1
                 if polls % _YIELDS_PER_TCP_POLL == 0 and self._tcp_news():
                     return True
-            if self._pump():
+            if self._pump() or (self._remote and self._progress_remote(0)):
                 return True
 
     def _block(self, deadline: float) -> bool:
