@@ -71,14 +71,24 @@ def broadcast(
 @functools.lru_cache(maxsize=256)
 def barrier(rank: int, size: int) -> Schedule:
     """Dissemination barrier: ceil(log2 N) rounds of empty frames."""
+    return Schedule(tuple(dissemination(rank, tuple(range(size)))), 1, None)
+
+
+def dissemination(rank: int, members: tuple[int, ...], first_phase: int = 0) -> list[Step]:
+    """The dissemination rounds among ``members`` (``rank`` one of them), phases from ``first_phase``.
+
+    In round k the member at position p sends an empty frame to the one at
+    p+2^k and receives one from p-2^k.
+    """
+    size, position = len(members), members.index(rank)
     steps = []
-    distance, phase = 1, 0
+    distance, phase = 1, first_phase
     while distance < size:
         steps.append(
             Step(
-                (rank + distance) % size,
+                members[(position + distance) % size],
                 _EMPTY,
-                (rank - distance) % size,
+                members[(position - distance) % size],
                 _EMPTY,
                 whole=True,
                 phase=phase,
@@ -86,4 +96,4 @@ def barrier(rank: int, size: int) -> Schedule:
             )
         )
         distance, phase = distance * 2, phase + 1
-    return Schedule(tuple(steps), 1, None)
+    return steps

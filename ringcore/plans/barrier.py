@@ -1,5 +1,9 @@
 """The barrier plan: the dissemination schedule's steps, bound once per communicator.
 
+On a job of several hosts with several ranks each (the grid every rank
+shares), the hierarchical barrier (:func:`ringcore.algo.hierarchical.barrier`)
+unless ``RINGCORE_HIERARCHICAL=0``: fewer rounds wait on the network.
+
 A barrier carries no data, so the Communicator keeps one plan, whose steps
 are bound once (to an empty WORK) in the first barrier's turn; every barrier, including the numbered-zero one that confirms the world at
 start-up, runs them in lockstep (:func:`ringcore.plans.base.run_steps`) with
@@ -13,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ringcore.algo import broadcast as chain
-from ringcore.algo import lockstep
+from ringcore.algo import hierarchical, lockstep
 from ringcore.algo.program import compile_program
 from ringcore.algo.steps import Buf
 from ringcore.buffers import DTYPES
@@ -53,7 +57,11 @@ class BarrierPlan:
     def _bind(self) -> None:
         ctx = self.ctx
         assert ctx.transport is not None
-        program = compile_program(chain.barrier(ctx.rank, ctx.size), ctx.transport)
+        if ctx.settings.hierarchical and hierarchical.applies(ctx.grid):
+            schedule = hierarchical.barrier(ctx.rank, ctx.grid)  # type: ignore[arg-type]
+        else:
+            schedule = chain.barrier(ctx.rank, ctx.size)
+        program = compile_program(schedule, ctx.transport)
         self._steps = lockstep.bind(program, {Buf.WORK: np.empty(0, np.uint8)})
         self._early = program.early
         self._reducer = ctx.reducer(DTYPES["uint8"], ReduceOp.SUM, Compression.NONE)

@@ -38,7 +38,12 @@ def layout(comm: object) -> dict[str, object]:
     schedule = allreduce_schedule(comm.ctx, 1 << 20, 4, in_place=True)  # type: ignore[attr-defined]
     chunks = tuple((i * 100_000, 100_000) for i in range(4))
     gathers = [gather_schedule(comm.ctx, kind, chunks, 4) for kind in ("allgather", "reduce_scatter")]  # type: ignore[attr-defined]
+    comm.barrier()  # type: ignore[attr-defined]
+    grid = comm.ctx.grid  # type: ignore[attr-defined]
+    host = {rank: h for h, row in enumerate(grid) for rank in row}
+    barrier_peers = [step[1][0] for step in comm._barrier._steps]  # type: ignore[attr-defined]
     return {
+        "barrier": [host[peer] == host[comm.rank] for peer in barrier_peers],  # type: ignore[attr-defined]
         "grid": comm.ctx.grid,  # type: ignore[attr-defined]
         "transport": type(transport).__name__,
         "local": list(getattr(transport, "local", [])),
@@ -56,6 +61,7 @@ def test_allreduce_matches_numpy_on_two_hosts_of_two(transport: str) -> None:
         stages = ["cross allgather", "cross reduce-scatter", "local allgather", "local reduce-scatter"]
         for rank, report in enumerate(cluster.results(layout)):
             assert report["grid"] == GRID and report["stages"] == stages
+            assert report["barrier"] == [True, False], "a round inside the host, then one across"
             assert report["gather stages"] == [stages[:1] + stages[2:3], stages[1:2] + stages[3:]]
             if transport == "auto":  # the other rank of its host only
                 assert (report["transport"], report["local"]) == ("ShmTransport", [rank ^ 2])

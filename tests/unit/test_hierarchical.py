@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -224,3 +225,37 @@ def test_the_broadcast_chain_crosses_each_host_boundary_once(name: str) -> None:
         reducer = Reducer(DTYPES["int64"], ReduceOp.SUM, Compression.NONE, size)
         for got in simulate.simulate(schedules, inputs, reducer):
             np.testing.assert_array_equal(got, data)
+
+
+@pytest.mark.parametrize("name", sorted(GRIDS))
+def test_the_barrier_reaches_every_rank_and_crosses_hosts_only_between_columns(name: str) -> None:
+    """Round by round, every rank hears (through a chain of frames) from every rank; few rounds cross hosts."""
+    grid = GRIDS[name]
+    size = size_of(grid)
+    home = {rank: h for h, row in enumerate(grid) for rank in row}
+    schedules = [hierarchical.barrier(rank, grid) for rank in range(size)]
+    rounds = {len(s.steps) for s in schedules}
+    assert rounds == {math.ceil(math.log2(len(grid[0]))) + math.ceil(math.log2(len(grid)))}
+    heard = [{rank} for rank in range(size)]
+    for i in range(rounds.pop()):
+        before = [set(h) for h in heard]
+        for rank, schedule in enumerate(schedules):
+            step = schedule.steps[i]
+            match = schedules[step.send_peer].steps[i]
+            assert match.recv_peer == rank and match.phase == step.phase, "a send without its receive"
+            heard[rank] |= before[step.recv_peer]
+            crosses = home[step.send_peer] != home[rank]
+            assert crosses == (i >= math.ceil(math.log2(len(grid[0])))), "only the second part crosses hosts"
+    assert all(h == set(range(size)) for h in heard)
+
+
+@pytest.mark.parametrize("name", ["4x2", "3x2 interleaved", "2x4 shuffled"])
+def test_the_barrier_runs_over_the_loopback_transport(name: str) -> None:
+    from tests.unit.test_lockstep import run_lockstep
+
+    grid = GRIDS[name]
+    run_lockstep(
+        size_of(grid),
+        lambda rank: hierarchical.barrier(rank, grid),
+        lambda rank, schedule: {Buf.WORK: np.empty(0, np.uint8)},
+    )
