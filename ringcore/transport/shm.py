@@ -366,6 +366,7 @@ class ShmTransport:
             for key, (out, into) in links.items()
         }
         self.local = sorted({peer for peer, _ in links})
+        self.remote = len(self.local) < self.size - 1  # some peer is on another host
         self.segments = segments
         self.doorbell = doorbell
         self.bells = bells
@@ -454,7 +455,20 @@ class ShmTransport:
         link.recvs.append((request, signature, 0))
         return request
 
-    def swap(
+    @property
+    def swap(self) -> Any:
+        """TCP's latency path for steps between hosts (:meth:`_swap`); None when every peer is on this host.
+
+        None, so a job on one host pays no call per step for a path it never takes.
+        """
+        return self._swap if self.remote else None
+
+    @property
+    def exchange(self) -> Any:
+        """TCP's ``exchange`` for steps between hosts (:meth:`_exchange`); None when every peer is on this host."""
+        return self._exchange if self.remote else None
+
+    def _swap(
         self,
         send: tuple[int, int, memoryview] | None,
         recv: tuple[int, int, memoryview] | None,
@@ -474,7 +488,7 @@ class ShmTransport:
             self._remote.extend(request for request in pair if request is not None)
         return pair
 
-    def exchange(self, sent: Request | None, received: Request | None) -> bool:
+    def _exchange(self, sent: Request | None, received: Request | None) -> bool:
         """TCP's ``exchange`` for a step whose peers are both on other hosts; False otherwise."""
         if self._is_local(sent) or self._is_local(received):
             return False
