@@ -164,7 +164,8 @@ def run_bound(
             else {}
         )
         for index, (tag_bits, send, recv, reduce, final, scratch, lend) in enumerate(steps):
-            direct = scratch and index not in posted  # the latency path may read this receive
+            lends = lend and lend_receive is not None and recv[2].nbytes >= lend_from  # type: ignore[index]
+            direct = scratch and index not in posted and not lends  # the latency path may read this receive
             pair = None if swap is None or not direct else swap(send, recv, seq_bits | tag_bits, signature)
             if pair is not None:
                 sent, received = pair
@@ -177,7 +178,7 @@ def run_bound(
                 if recv is not None:
                     if index in posted:
                         received = posted[index]
-                    elif lend and lend_receive is not None and recv[2].nbytes >= lend_from:
+                    elif lends:
                         received = lend_receive(recv[0], recv[1], seq_bits | tag_bits, signature, recv[2])
                     else:
                         received = transport.irecv(recv[0], recv[1], seq_bits | tag_bits, signature, recv[2])

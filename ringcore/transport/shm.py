@@ -455,13 +455,60 @@ class ShmTransport:
         link.recvs.append((request, signature, 0))
         return request
 
-    @property
-    def swap(self) -> Any:
-        """TCP's latency path for steps between hosts (:meth:`_swap`); None when every peer is on this host.
+    def swap(
+        self,
+        send: tuple[int, int, memoryview] | None,
+        recv: tuple[int, int, memoryview] | None,
+        tag: int,
+        signature: int,
+    ) -> tuple[Request | None, Request | None] | None:
+        """One lockstep step with no queue walk: the latency path, as ``TcpTransport.swap``.
 
-        None, so a job on one host pays no call per step for a path it never takes.
+        Peers on this host: the send goes into its ring at once, and the
+        receive is read from the peer's ring for up to ``spin`` s (polling
+        without a syscall for ``TIGHT_SPIN`` s, as ``progress`` does, then
+        with ``sched_yield``); what is not done by then is returned as posted
+        requests, which ``progress`` finishes. Peers both on other hosts:
+        TCP's own ``swap``. None, having done nothing, for a step with one
+        peer of each kind or a link with frames queued (post them).
         """
-        return self._swap if self.remote else None
+        out = self.links.get((send[0], send[1])) if send is not None else None
+        into = self.links.get((recv[0], recv[1])) if recv is not None else None
+        if out is None and into is None:
+            return self._swap(send, recv, tag, signature)
+        if (send is not None and out is None) or (recv is not None and into is None):
+            return None
+        if (out is not None and out.busy()) or (into is not None and (into.busy() or into.held is not None)):
+            return None
+        sent = received = None
+        if out is not None:
+            sent = Request(out.peer, out.channel, tag, _bytes(send[2]))  # type: ignore[index]
+            out.sends.append((sent, signature, 0))
+            out.push()
+            if sent.done:
+                sent = None
+        if into is not None:
+            received = Request(into.peer, into.channel, tag, _bytes(recv[2]))  # type: ignore[index]
+            into.recvs.append((received, signature, 0))
+            start = time.perf_counter()
+            tight, deadline = min(self.tight_spin, self.spin), start + self.spin
+            while True:
+                try:
+                    into.pull()
+                except Withdrawn as gone:
+                    raise self._withdrawn(gone) from None
+                if received.done:
+                    received = None
+                    break
+                if sent is not None and out.push() and sent.done:  # type: ignore[union-attr]
+                    sent = None
+                now = time.perf_counter()
+                if now > deadline:
+                    break
+                if now - start > tight:
+                    os.sched_yield()
+        self.last_moved = time.perf_counter()
+        return sent, received
 
     @property
     def exchange(self) -> Any:
@@ -475,13 +522,7 @@ class ShmTransport:
         tag: int,
         signature: int,
     ) -> tuple[Request | None, Request | None] | None:
-        """TCP's latency path (``TcpTransport.swap``) for a step whose peers are both on other hosts.
-
-        None, having done nothing, when a peer is on this host (its frames go
-        through the rings: post them) or TCP has frames queued.
-        """
-        if self._is_local(send) or self._is_local(recv):
-            return None
+        """TCP's latency path for a step whose peers are both on other hosts (None: TCP has frames queued)."""
         pair = self.control.swap(send, recv, tag, signature)
         if pair is not None:
             self.last_moved = time.perf_counter()

@@ -19,6 +19,7 @@ from ringcore.buffers import DTYPES
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
 from ringcore.transport import shm_setup
+from ringcore.transport.base import FrameMismatch
 from tests.conformance.test_transport import SIG, drive, in_parallel, tcp_mesh, view
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,13 +61,33 @@ def test_a_step_between_hosts_takes_tcps_latency_path(two_hosts: list) -> None:
     np.testing.assert_array_equal(out, frame)
 
 
-def test_a_step_with_a_local_peer_goes_through_the_rings(two_hosts: list) -> None:
+def test_a_step_with_a_local_peer_takes_the_rings_latency_path(two_hosts: list) -> None:
     t = two_hosts
+    frame, out = np.arange(10, dtype=np.uint8), np.zeros(10, np.uint8)
+    assert t[1].swap((0, 0, view(frame)), None, 7, SIG) == (None, None), "done once in the ring"
+    assert t[0].swap(None, (1, 0, view(out)), 7, SIG) == (None, None)
+    np.testing.assert_array_equal(out, frame)
     buf = view(np.zeros(10, np.uint8))
-    assert t[0].swap((1, 0, buf), None, 7, SIG) is None, "the local peer's frames go in its ring"
-    assert t[0].swap((2, 0, buf), (1, 0, buf), 7, SIG) is None, "one local peer is enough"
-    local = t[0].irecv(1, 0, 7, SIG, buf)
+    assert t[0].swap((2, 0, buf), (1, 0, buf), 8, SIG) is None, "one peer of each kind: post them"
+    local = t[0].irecv(1, 0, 8, SIG, buf)
     assert not t[0].exchange(None, local), "exchange leaves local receives to progress"
+    assert t[0].swap(None, (1, 0, buf), 9, SIG) is None, "a receive already queued on the link"
+    t[0].cancel()
+
+
+def test_a_late_local_frame_is_left_to_progress_and_a_wrong_one_refused(two_hosts: list) -> None:
+    t = two_hosts
+    t[0].spin = 0.001
+    out = np.zeros(10, np.uint8)
+    sent, received = t[0].swap(None, (1, 0, view(out)), 7, SIG)
+    assert sent is None and received is not None and not received.done, "nothing came within the spin"
+    frame = np.arange(10, dtype=np.uint8)
+    assert t[1].swap((0, 0, view(frame)), None, 7, SIG) == (None, None)
+    drive(t[0], [received])
+    np.testing.assert_array_equal(out, frame)
+    assert t[1].swap((0, 0, view(frame)), None, 8, SIG + 1) == (None, None)
+    with pytest.raises(FrameMismatch, match="signature"):
+        t[0].swap(None, (1, 0, view(out)), 8, SIG)
     t[0].cancel()
 
 
