@@ -27,8 +27,10 @@ the one compiled form every executor shares); :func:`bind` resolves their region
 :func:`run_bound` runs bound steps. The executor binds per call; a small
 allreduce's kept plan (the small form of
 :class:`ringcore.plans.allreduce.AllreducePlan`) binds once and reuses the
-steps. Waiting goes through the transport's ``exchange`` when it
-has one (TCP's latency path), else ``progress``.
+steps. A step goes through the transport's ``swap`` when it has one (the
+latency path of TCP and of shared memory: one send and one receive with no
+queue walk), and waiting through its ``exchange`` when it has one, else
+``progress``.
 
 Writing the caller's buffer. In-place schedules (halving-doubling, a
 one-segment ring) receive into USER and combine into it (a ``commit`` step).
@@ -154,7 +156,7 @@ def run_bound(
     """
     try:
         transport.expect(seq_bits >> 32, signature)
-        swap = getattr(transport, "swap", None)  # a transport's latency path (TCP's)
+        swap = getattr(transport, "swap", None)  # a transport's latency path (TCP's, shared memory's)
         exchange = getattr(transport, "exchange", None)
         lend_receive = getattr(transport, "irecv_lent", None)  # shared memory: combine from its slots
         lend_from = getattr(transport, "lend_from", 0)
