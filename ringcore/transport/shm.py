@@ -545,11 +545,8 @@ class ShmTransport:
             self._remote = [request for request in self._remote if not request.done]
         return done
 
-    def _is_local(self, frame: tuple[int, int, memoryview] | Request | None) -> bool:
-        if frame is None:
-            return False
-        peer = frame.peer if isinstance(frame, Request) else frame[0]
-        return (peer, 0) in self.links
+    def _is_local(self, request: Request | None) -> bool:
+        return request is not None and (request.peer, 0) in self.links
 
     def progress(self, timeout: float) -> bool:
         moved = self._pump()
