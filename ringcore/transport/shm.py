@@ -498,6 +498,7 @@ class ShmTransport:
             into.recvs.append((received, signature, 0))
             start = time.perf_counter()
             tight, deadline = min(self.tight_spin, self.spin), start + self.spin
+            yielded = False
             while True:
                 try:
                     into.pull()
@@ -509,10 +510,11 @@ class ShmTransport:
                 if sent is not None and out.push() and sent.done:  # type: ignore[union-attr]
                     sent = None
                 now = time.perf_counter()
-                if now > deadline:
+                if now > deadline and yielded:
                     break
                 if now - start > tight:
-                    os.sched_yield()
+                    os.sched_yield()  # at least once, as TCP's swap: the peer may be next on this core
+                    yielded = True
         self.last_moved = time.perf_counter()
         return sent, received
 
@@ -643,8 +645,8 @@ class ShmTransport:
             if now > deadline:
                 return False
             if now - start > min(self.tight_spin, self.spin):  # RINGCORE_SPIN_US=0: no spinning at all
-                if now - start >= self.spin and self.doorbell is not None:
-                    return self._block(deadline)
+                if polls and now - start >= self.spin and self.doorbell is not None:
+                    return self._block(deadline)  # after one yield at least: the peer may be next
                 os.sched_yield()
                 polls += 1
                 if polls % _YIELDS_PER_TCP_POLL == 0 and self._tcp_news():
