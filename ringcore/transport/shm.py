@@ -480,8 +480,12 @@ class ShmTransport:
         """
         out = self.links.get((send[0], send[1])) if send is not None else None
         into = self.links.get((recv[0], recv[1])) if recv is not None else None
-        if out is None and into is None:
-            return self._swap(send, recv, tag, signature)
+        if out is None and into is None:  # both on other hosts: TCP's own path
+            pair = self.control.swap(send, recv, tag, signature)
+            if pair is not None:
+                self.last_moved = time.perf_counter()
+                self._remote.extend(request for request in pair if request is not None)
+            return pair
         if (send is not None and out is None) or (recv is not None and into is None):
             return None
         if (out is not None and out.busy()) or (into is not None and (into.busy() or into.held is not None)):
@@ -522,20 +526,6 @@ class ShmTransport:
     def exchange(self) -> Any:
         """TCP's ``exchange`` for steps between hosts (:meth:`_exchange`); None when every peer is on this host."""
         return self._exchange if self.remote else None
-
-    def _swap(
-        self,
-        send: tuple[int, int, memoryview] | None,
-        recv: tuple[int, int, memoryview] | None,
-        tag: int,
-        signature: int,
-    ) -> tuple[Request | None, Request | None] | None:
-        """TCP's latency path for a step whose peers are both on other hosts (None: TCP has frames queued)."""
-        pair = self.control.swap(send, recv, tag, signature)
-        if pair is not None:
-            self.last_moved = time.perf_counter()
-            self._remote.extend(request for request in pair if request is not None)
-        return pair
 
     def _exchange(self, sent: Request | None, received: Request | None) -> bool:
         """TCP's ``exchange`` for a step whose peers are both on other hosts; False otherwise."""
