@@ -2,34 +2,17 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
 from ringcore.algo import halving_doubling, program, recursive_doubling, ring
 from ringcore.algo.steps import Buf, Region, Schedule, Step
-from ringcore.transport import shm, shm_ring
+from ringcore.transport import shm
 from ringcore.transport.base import Request
-from ringcore.transport.shm_ring import Ring
 from tests.conformance.test_transport import SIG, view
+from tests.unit.test_shm_single_copy import link_pair
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _pair(slots: int = 4, slot_bytes: int = 64, single_copy_bytes: int = 0) -> tuple[shm._Link, shm._Link]:
-    """A writer's and a reader's link over one in-process ring (and an unused ring back)."""
-    nbytes = shm_ring.CONTROL_BYTES + slots * (shm_ring.SLOT_HEADER_BYTES + slot_bytes)
-    forth, back = np.zeros(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
-    _, bell_w = os.pipe()
-    os.set_blocking(bell_w, False)
-    writer = shm._Link(
-        1, 0, Ring(forth, slots, slot_bytes), Ring(back, slots, slot_bytes), bell_w, single_copy_bytes
-    )
-    reader = shm._Link(
-        0, 0, Ring(back, slots, slot_bytes), Ring(forth, slots, slot_bytes), bell_w, 0, os.getpid()
-    )
-    return writer, reader
 
 
 def _send(writer: shm._Link, frame: np.ndarray, tag: int) -> Request:
@@ -48,7 +31,7 @@ def _lent_receive(reader: shm._Link, nbytes: int, tag: int) -> tuple[Request, np
 
 
 def test_a_lent_frame_stays_in_its_slots_until_released() -> None:
-    writer, reader = _pair()
+    writer, reader = link_pair(slots=4)
     first = np.arange(200, dtype=np.uint8)  # 4 pieces of at most 64 bytes: the whole ring
     _send(writer, first, 7)
     lent, out = _lent_receive(reader, 200, 7)
@@ -72,7 +55,7 @@ def test_a_lent_frame_stays_in_its_slots_until_released() -> None:
 
 
 def test_a_frame_the_ring_cannot_hold_at_once_is_copied() -> None:
-    writer, reader = _pair(slots=2)
+    writer, reader = link_pair(slots=2)
     frame = np.arange(200, dtype=np.uint8)  # 4 pieces through 2 slots
     request, out = _lent_receive(reader, 200, 7)
     sent = Request(1, 0, 7, view(frame))
@@ -85,7 +68,7 @@ def test_a_frame_the_ring_cannot_hold_at_once_is_copied() -> None:
 
 
 def test_a_frame_sent_as_a_pointer_is_copied_not_lent() -> None:
-    writer, reader = _pair(single_copy_bytes=100)
+    writer, reader = link_pair(single_copy_bytes=100)
     frame = np.arange(150, dtype=np.uint8)
     _send(writer, frame, 7)
     request, out = _lent_receive(reader, 150, 7)

@@ -48,7 +48,9 @@ def test_a_process_reads_another_ones_token_and_nothing_else() -> None:
     assert not cma.readable(record), "the process is gone"
 
 
-def _pair(single_copy_bytes: int, slots: int = 8, slot_bytes: int = 64) -> tuple[shm._Link, shm._Link]:
+def link_pair(
+    single_copy_bytes: int = 0, slots: int = 8, slot_bytes: int = 64
+) -> tuple[shm._Link, shm._Link]:
     """A writer's and a reader's link over one in-process ring (and an unused ring back)."""
     nbytes = shm_ring.CONTROL_BYTES + slots * (shm_ring.SLOT_HEADER_BYTES + slot_bytes)
     forth, back = np.zeros(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
@@ -64,7 +66,7 @@ def _pair(single_copy_bytes: int, slots: int = 8, slot_bytes: int = 64) -> tuple
 
 
 def test_a_large_frame_goes_as_a_pointer_and_its_send_ends_when_copied() -> None:
-    writer, reader = _pair(single_copy_bytes=100)
+    writer, reader = link_pair(single_copy_bytes=100)
     frames = [np.arange(n, dtype=np.uint8) + k for k, n in enumerate([1000, 10, 4096, 99, 100])]
     sends = [Request(1, 0, 7 + k, view(f)) for k, f in enumerate(frames)]
     writer.sends.extend((request, SIG, 0) for request in sends)
@@ -82,7 +84,7 @@ def test_a_large_frame_goes_as_a_pointer_and_its_send_ends_when_copied() -> None
 
 
 def _one_pointed_frame(single_copy_bytes: int = 1) -> tuple[shm._Link, shm._Link, Request, np.ndarray]:
-    writer, reader = _pair(single_copy_bytes)
+    writer, reader = link_pair(single_copy_bytes)
     frame = np.full(256, 3, np.uint8)
     writer.sends.append((Request(1, 0, 9, view(frame)), SIG, 0))
     out = np.zeros(256, np.uint8)
@@ -218,7 +220,7 @@ def test_memory_the_kernel_will_not_let_peers_copy_is_told_apart_once_per_buffer
 
 
 def test_a_frame_from_memory_peers_cannot_copy_goes_through_the_slots() -> None:
-    writer, reader = _pair(single_copy_bytes=1)
+    writer, reader = link_pair(single_copy_bytes=1)
     writer.copyable = lambda view: False  # type: ignore[assignment]
     frame = np.arange(100, dtype=np.uint8)
     send = Request(1, 0, 9, view(frame))
