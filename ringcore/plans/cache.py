@@ -27,16 +27,20 @@ class PlanCache:
     def __init__(self, max_bytes: int, max_layouts: int = MAX_LAYOUTS) -> None:
         self.max_bytes, self.max_layouts = max_bytes, max_layouts
         self._plans: dict[Any, AllreducePlan] = {}
+        self._newest: AllreducePlan | None = None  # the plan at the end of ``_plans``
         self._held_bytes = 0
 
     def get(self, key: Any) -> AllreducePlan | None:
         """The plan kept for ``key`` (moved to the end: used most recently), or None (also if unhashable)."""
+        plans = self._plans
         try:
-            plan = self._plans.pop(key, None)
+            plan = plans.get(key)
         except TypeError:
             return None
-        if plan is not None:
-            self._plans[key] = plan
+        if plan is not None and plan is not self._newest:  # a loop over one layout moves nothing
+            del plans[key]
+            plans[key] = plan
+            self._newest = plan
         return plan
 
     def put(self, key: Any, plan: AllreducePlan) -> None:
@@ -51,11 +55,13 @@ class PlanCache:
         while plans and (len(plans) >= self.max_layouts or self._held_bytes + plan.holds > self.max_bytes):
             self._held_bytes -= plans.pop(next(iter(plans))).holds
         plans[key] = plan
+        self._newest = plan
         self._held_bytes += plan.holds
 
     def clear(self) -> None:
         """Forget every plan (their layouts' next calls validate and prepare again)."""
         self._plans.clear()
+        self._newest = None
         self._held_bytes = 0
 
     def stats(self) -> dict[str, Any]:
