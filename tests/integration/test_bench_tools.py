@@ -109,3 +109,16 @@ def test_kernel_cost_fails_when_the_bytes_differ(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(kernel_cost, "_pattern", flipped_in_the_sender)
     with pytest.raises(RuntimeError, match="other bytes than were sent"):
         kernel_cost.measure(256 << 10, 0, rounds=1)
+
+
+@pytest.mark.timeout(120)
+def test_latency_layers_times_every_layer_of_the_small_route() -> None:
+    """Each layer's allreduce is checked against the sum inside the script (it exits non-zero otherwise)."""
+    script = [sys.executable, "bench/latency_layers.py", "50"]
+    proc = _run_bench([sys.executable, "-m", "ringcore.run", "-np", "2", *script])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = re.findall(r"^\[0\]<stdout>:\s+(\w+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", proc.stdout, re.M)
+    assert [name for name, *_ in rows] == ["floor", "swap", "lockstep", "plan", "small", "turn", "api"], (
+        proc.stdout
+    )
+    assert all(float(value) > 0 for _, *values in rows for value in values)

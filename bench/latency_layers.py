@@ -1,0 +1,158 @@
+"""What a small allreduce's time is made of: ``ringcore-run -np N python bench/latency_layers.py [ITERS]``.
+
+Runs the same float32 sum of 1024 elements (4 KiB) back to back, ``ITERS`` times
+(default 20000 / N**2), with ringcore's route entered at each of its layers in
+turn, shared memory between the ranks of this host; rank 0 prints the time per
+allreduce of each, for 3 rounds, and what each layer adds:
+
+- ``floor``: the recursive-doubling steps by hand on the rings: write the
+  vector into the peer's ring, poll for the peer's with ``sched_yield``, add.
+  No checks, no requests, no timeout: what no Python engine on these rings
+  can undercut.
+- ``swap``: the same steps through the transport's latency path
+  (``ShmTransport.expect`` and ``swap``: frame checks, doorbells, timeout).
+- ``lockstep``: the plan's bound steps run by ``lockstep.run_bound``.
+- ``plan``: the kept plan's small form (copy in, steps, copy out) with the
+  timeout and stall check (``AllreducePlan._run_small``).
+- ``turn``: the communicator's turn (ordering with async handles, stall
+  record, numpy's error state): ``Communicator._run``.
+- ``api``: ``ringcore.allreduce``: the plan cache's lookup on top.
+
+The layers reach into ringcore's internals, so this is a measuring tool for
+this revision, not an API. Results are checked against the sum.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+import ringcore
+from ringcore.algo import lockstep
+from ringcore.api import communicator
+from ringcore.plans.base import run_steps
+from ringcore.transport import shm_ring
+from ringcore.transport.shm import ShmTransport
+
+COUNT = 1024
+
+
+def layers(x: np.ndarray, work: np.ndarray) -> dict[str, Callable[[int], None]]:
+    """One callable per layer, each reducing ``x`` into ``work`` as collective ``seq``."""
+    comm = communicator()
+    ctx, transport = comm.ctx, comm.ctx.transport
+    if not isinstance(transport, ShmTransport) or transport.remote:
+        raise SystemExit(
+            "latency_layers: needs every rank on this host over shared memory (RINGCORE_TRANSPORT=auto)"
+        )
+    rank, size = ctx.rank, ctx.size
+    if size & (size - 1):
+        raise SystemExit(
+            "latency_layers: needs a power-of-two number of ranks (the floor is recursive doubling)"
+        )
+    ringcore.allreduce(work)
+    plan = comm._allreduce_plan(work, "sum", None)
+    if plan.form != "small":
+        raise SystemExit(f"latency_layers: the 4 KiB plan runs as {plan.form!r}, not 'small'")
+    stage = np.empty(COUNT, np.float32)
+    sent, got = memoryview(work).cast("B"), memoryview(stage).cast("B")
+    signature = plan.signature
+    partners = [rank ^ (1 << i) for i in range(size.bit_length() - 1)]
+
+    def floor(seq: int) -> None:
+        work[...] = x
+        for step, peer in enumerate(partners, 1):
+            link = transport.links[(peer, 0)]
+            link.outbound.write((seq << 32) | step, signature, sent.nbytes, 0, sent)
+            shm_ring.fence()
+            while link.inbound.peek() is None:
+                os.sched_yield()
+            link.inbound.take(got, got.nbytes)
+            np.add(*((work, stage) if rank < peer else (stage, work)), out=work)
+
+    def swap(seq: int) -> None:
+        work[...] = x
+        transport.expect(seq, signature)
+        for step, peer in enumerate(partners, 1):
+            pair = transport.swap((peer, 0, sent), (peer, 0, got), (seq << 32) | step, signature)
+            while pair is not None and not all(request is None or request.done for request in pair):
+                transport.progress(0.5)
+            np.add(*((work, stage) if rank < peer else (stage, work)), out=work)
+
+    def bound(seq: int) -> None:
+        plan._work[...] = x
+        lockstep.run_bound(
+            transport, plan._steps, plan._early, plan.reducer, (seq & 0xFFFFFFFF) << 32, signature, 30.0
+        )
+        work[...] = plan._work
+
+    def steps(seq: int) -> None:
+        plan._work[...] = x
+        run_steps(ctx, plan._steps, plan._early, plan.reducer, seq, signature)
+        work[...] = plan._work
+
+    def small(seq: int) -> None:
+        work[...] = x
+        plan._run_small(work, seq)
+
+    def turn(seq: int) -> None:
+        work[...] = x
+        comm._run(plan, work, None)
+
+    def api(seq: int) -> None:
+        work[...] = x
+        ringcore.allreduce(work)
+
+    return {
+        "floor": floor,
+        "swap": swap,
+        "lockstep": bound,
+        "plan": steps,
+        "small": small,
+        "turn": turn,
+        "api": api,
+    }
+
+
+def main() -> None:
+    ringcore.init()
+    size = ringcore.size()
+    iters = int(sys.argv[1]) if len(sys.argv) > 1 else 20000 // size**2
+    x = np.full(COUNT, ringcore.rank() + 1, np.float32)
+    want = np.full(COUNT, size * (size + 1) / 2, np.float32)
+    work = np.empty(COUNT, np.float32)
+    comm = communicator()
+    times: dict[str, list[float]] = {}
+    for _ in range(3):
+        for name, run in layers(x, work).items():
+            ringcore.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                if name in ("turn", "api"):
+                    run(comm._next_ticket + 1)
+                else:  # below the turn: number the collective as the turn would
+                    comm._next_ticket += 1
+                    comm._turn += 1
+                    run(comm._next_ticket)
+            times.setdefault(name, []).append((time.perf_counter() - start) / iters * 1e6)
+            if not np.array_equal(work, want):
+                raise SystemExit(f"latency_layers: {name} gave {work[:4]}, expected {want[:4]}")
+    if ringcore.rank() == 0:
+        print(
+            f"4 KiB allreduce, N={size}, {iters} back to back; us per allreduce in 3 rounds, layer's own share"
+        )
+        before = None
+        for name, values in times.items():
+            best = min(values)
+            added = "" if before is None else f"+{best - before:.1f}"
+            print(f"  {name:9s} {' '.join(f'{v:6.1f}' for v in values)}   {added}")
+            before = best
+    ringcore.shutdown()
+
+
+if __name__ == "__main__":
+    main()
