@@ -157,16 +157,13 @@ def run_bound(
     try:
         transport.expect(seq_bits >> 32, signature)
         swap = getattr(transport, "swap", None)  # a transport's latency path (TCP's, shared memory's)
-        exchange = getattr(transport, "exchange", None)
-        lend_receive = getattr(transport, "irecv_lent", None)  # shared memory: combine from its slots
-        lend_from = getattr(transport, "lend_from", 0)
         posted = (
             {index: _post_receive(transport, steps[index], seq_bits, signature) for index in early}
             if early
             else {}
         )
         for index, (tag_bits, send, recv, reduce, final, scratch, lend) in enumerate(steps):
-            lends = lend and lend_receive is not None and recv[2].nbytes >= lend_from  # type: ignore[index]
+            lends = lend and _lends(transport, recv)  # looked up only here: each lookup costs a small step
             direct = scratch and index not in posted and not lends  # the latency path may read this receive
             pair = None if swap is None or not direct else swap(send, recv, seq_bits | tag_bits, signature)
             if pair is not None:
@@ -181,11 +178,14 @@ def run_bound(
                     if index in posted:
                         received = posted[index]
                     elif lends:
-                        received = lend_receive(recv[0], recv[1], seq_bits | tag_bits, signature, recv[2])
+                        received = transport.irecv_lent(  # type: ignore[attr-defined]
+                            recv[0], recv[1], seq_bits | tag_bits, signature, recv[2]
+                        )
                     else:
                         received = transport.irecv(recv[0], recv[1], seq_bits | tag_bits, signature, recv[2])
                 done = (sent is None or sent.done) and (received is None or received.done)
-                if not done and (exchange is None or not scratch or not exchange(sent, received)):
+                exchange = None if done or not scratch else getattr(transport, "exchange", None)
+                if not done and (exchange is None or not exchange(sent, received)):
                     _wait(transport, sent, received, timeout, interrupt)
             if reduce is not None:
                 if received is not None and received.lent:
@@ -253,6 +253,15 @@ def _combine_lent(
             reducer.combine(dst[lo:hi], got, b[lo:hi], final)
         else:
             reducer.combine(dst[lo:hi], a[lo:hi], got, final)
+
+
+def _lends(transport: Transport, recv: Wire | None) -> bool:
+    """Whether a lending step's receive goes to the transport's ``irecv_lent`` (shared memory: combine from its slots)."""
+    return (
+        recv is not None
+        and getattr(transport, "irecv_lent", None) is not None
+        and recv[2].nbytes >= getattr(transport, "lend_from", 0)
+    )
 
 
 def _post_receive(transport: Transport, step: Bound, seq_bits: int, signature: int) -> Request:
