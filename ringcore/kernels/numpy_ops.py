@@ -134,10 +134,9 @@ class Reducer:
         """``dst = op(a, b)`` element-wise; with ``final``, apply avg's division too."""
         scale = final and self.op is ReduceOp.AVG and self.world > 1
         acc = self.acc_dtype
+        # The identity test first: a 4 KiB combine's dtype comparisons cost a third of it.
         if (dst.dtype is acc and a.dtype is acc and b.dtype is acc) or dst.dtype == a.dtype == b.dtype == acc:
-            self.ufunc(
-                a, b, out=dst
-            )  # the identity test first: a 4 KiB combine's dtype checks cost a third of it
+            self.ufunc(a, b, out=dst)
             if scale:
                 np.divide(dst, self.world, out=dst, casting="unsafe")
             return

@@ -551,10 +551,8 @@ class ShmTransport:
             return pair
         if (send is not None and out is None) or (recv is not None and into is None):
             return None
-        if into is not None and (
-            into.recvs or into.held is not None
-        ):  # a receive before this one reads first
-            return None
+        if into is not None and (into.recvs or into.held is not None):
+            return None  # a receive posted before this one reads first
         sent = received = None
         if out is not None and not out.write_whole(tag, signature, _bytes(send[2])):  # type: ignore[index]
             sent = Request(out.peer, out.channel, tag, _bytes(send[2]))  # type: ignore[index]
