@@ -555,8 +555,7 @@ class ShmTransport:
             return None  # a receive posted before this one reads first
         sent = received = None
         if out is not None and not out.write_whole(tag, signature, _bytes(send[2])):  # type: ignore[index]
-            sent = Request(out.peer, out.channel, tag, _bytes(send[2]))  # type: ignore[index]
-            out.sends.append((sent, signature, 0))
+            sent = self.isend(out.peer, out.channel, tag, signature, send[2])  # type: ignore[index]
             out.push()
             if sent.done:
                 sent = None
@@ -571,8 +570,7 @@ class ShmTransport:
                     if whole:
                         break
                     if whole is None:  # in pieces, or a pointer: pull reads it
-                        received = Request(into.peer, into.channel, tag, view)
-                        into.recvs.append((received, signature, 0))
+                        received = self.irecv(into.peer, into.channel, tag, signature, view)
                 if received is not None:
                     try:
                         into.pull()
@@ -586,8 +584,7 @@ class ShmTransport:
                 now = time.perf_counter()
                 if now > deadline and yielded:
                     if received is None:  # nothing of it yet: post it for progress
-                        received = Request(into.peer, into.channel, tag, view)
-                        into.recvs.append((received, signature, 0))
+                        received = self.irecv(into.peer, into.channel, tag, signature, view)
                     break
                 if now - start > tight:
                     os.sched_yield()  # at least once, as TCP's swap: the peer may be next on this core
