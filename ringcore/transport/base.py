@@ -64,6 +64,22 @@ class FrameMismatch(RingcoreError):
         self.got = got
 
 
+def check_frame(
+    peer: int, signature: int, tag: int, nbytes: int, got_signature: int, got_tag: int, got_nbytes: int
+) -> None:
+    """Every transport's header check: raise ``FrameMismatch`` on the first field that differs.
+
+    The fields are compared in the order signature, tag, length, against the
+    receive posted for the frame from ``peer``.
+    """
+    if got_signature != signature:
+        raise FrameMismatch(peer, "signature", signature, got_signature)
+    if got_tag != tag:
+        raise FrameMismatch(peer, "tag", tag, got_tag)
+    if got_nbytes != nbytes:
+        raise FrameMismatch(peer, "nbytes", nbytes, got_nbytes)
+
+
 class PeerAborted(RingcoreError):
     """The peer sent an ABORT frame; ``reason`` is its decoded explanation."""
 

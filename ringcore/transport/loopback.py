@@ -14,7 +14,7 @@ from collections import deque
 from typing import Any
 
 from ringcore.errors import PeerFailure
-from ringcore.transport.base import FrameMismatch, PeerAborted, Request
+from ringcore.transport.base import FrameMismatch, PeerAborted, Request, check_frame
 
 _ABORT = object()
 
@@ -153,9 +153,4 @@ class LoopbackTransport:
 
 def _check_head(src: int, send_entry: Any, recv_entry: Any) -> None:
     (send, signature), (recv, expected) = send_entry, recv_entry
-    if signature != expected:
-        raise FrameMismatch(src, "signature", expected, signature)
-    if send.tag != recv.tag:
-        raise FrameMismatch(src, "tag", recv.tag, send.tag)
-    if send.nbytes != recv.nbytes:
-        raise FrameMismatch(src, "nbytes", recv.nbytes, send.nbytes)
+    check_frame(src, expected, recv.tag, recv.nbytes, signature, send.tag, send.nbytes)

@@ -51,7 +51,7 @@ import numpy as np
 
 from ringcore.errors import PeerFailure
 from ringcore.transport import wire
-from ringcore.transport.base import FrameMismatch, Request
+from ringcore.transport.base import FrameMismatch, Request, check_frame
 from ringcore.transport.registration import Registration, RegistrationCache
 from ringcore.transport.tcp import TcpTransport
 
@@ -331,10 +331,10 @@ class RdmaTransport:
         """The peer's send does not match our announced receive ``ticket``: say how."""
         for request, expected_signature, announced in link.recvs:
             if announced == ticket:
-                if signature != expected_signature:
-                    raise FrameMismatch(link.peer, "signature", expected_signature, signature)
-                if tag != request.tag:
-                    raise FrameMismatch(link.peer, "tag", request.tag, tag)
+                check_frame(
+                    link.peer, expected_signature, request.tag, request.nbytes, signature, tag, nbytes
+                )
+                # It refused, so something differs; signature and tag agree, so the length.
                 raise FrameMismatch(link.peer, "nbytes", request.nbytes, nbytes)
         raise wire.ProtocolError(
             f"rank {link.peer} refused receive {ticket}, which this rank never announced"

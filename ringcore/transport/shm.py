@@ -111,7 +111,7 @@ from collections import deque
 from typing import Any
 
 from ringcore.transport import cma, shm_ring
-from ringcore.transport.base import FrameMismatch, Request
+from ringcore.transport.base import FrameMismatch, Request, check_frame
 from ringcore.transport.registration import view_address
 from ringcore.transport.shm_ring import Doorbell, Ring, Segment
 from ringcore.transport.tcp import TcpTransport
@@ -249,7 +249,7 @@ class _Link:
             request, signature, done = self.recvs[0]
             tag, _, nbytes, offset, length, address = piece
             if done == 0:
-                self._check(piece, request.tag, signature, request.nbytes)
+                check_frame(self.peer, signature, request.tag, request.nbytes, piece[1], tag, nbytes)
                 if request.lent is not None and (address or not self.lendable(nbytes)):
                     request.lent = None  # a pointer, or more pieces than the ring holds: copied
             if offset != done or tag != request.tag or offset + length > request.nbytes:
@@ -313,20 +313,10 @@ class _Link:
         length = piece[4]
         if piece[5] or piece[3] or length != piece[2]:  # a pointer, or one piece of several
             return None
-        self._check(piece, tag, signature, view.nbytes)
+        check_frame(self.peer, signature, tag, view.nbytes, piece[1], piece[0], piece[2])
         ring.take(view, length)
         self._released()
         return True
-
-    def _check(self, piece: tuple[int, ...], tag: int, signature: int, nbytes: int) -> None:
-        """Raise ``FrameMismatch`` unless a frame's first piece is that of the receive posted for it."""
-        got_tag, got_signature, got_nbytes = piece[0], piece[1], piece[2]
-        if got_signature != signature:
-            raise FrameMismatch(self.peer, "signature", signature, got_signature)
-        if got_tag != tag:
-            raise FrameMismatch(self.peer, "tag", tag, got_tag)
-        if got_nbytes != nbytes:
-            raise FrameMismatch(self.peer, "nbytes", nbytes, got_nbytes)
 
     def _published(self) -> None:
         """After writing pieces: wake the reader if it sleeps."""

@@ -32,7 +32,7 @@ from typing import Any
 
 from ringcore.errors import PeerFailure
 from ringcore.transport import wire
-from ringcore.transport.base import FrameMismatch, PeerAborted, Request
+from ringcore.transport.base import FrameMismatch, PeerAborted, Request, check_frame
 
 _POLLIN = select.POLLIN | select.POLLPRI
 _POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
@@ -253,12 +253,7 @@ class _Conn:
             raise self.fail("shut down (called shutdown()) while this rank still expected data from it")
         if kind != wire.DATA:
             raise wire.ProtocolError(f"unexpected frame kind {kind} from rank {self.peer}")
-        if got_signature != signature:
-            raise FrameMismatch(self.peer, "signature", signature, got_signature)
-        if got_tag != tag:
-            raise FrameMismatch(self.peer, "tag", tag, got_tag)
-        if got_nbytes != nbytes:
-            raise FrameMismatch(self.peer, "nbytes", nbytes, got_nbytes)
+        check_frame(self.peer, signature, tag, nbytes, got_signature, got_tag, got_nbytes)
 
     def _read_control(self, nbytes: int) -> bytes:
         """Read a small control payload, waiting at most a few seconds."""
