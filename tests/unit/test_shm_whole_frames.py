@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringcore.transport import shm
+from ringcore.transport import shm, wire
 from ringcore.transport.base import FrameMismatch, Request
-from tests.conformance.test_transport import SIG, view
+from tests.conformance.test_transport import SIG, drive_for, shm_mesh, view
 from tests.unit.test_shm_single_copy import link_pair
 
 pytestmark = pytest.mark.timeout(60)
@@ -96,3 +96,42 @@ def test_a_frame_that_disagrees_is_refused_before_a_byte_lands(
     with pytest.raises(FrameMismatch, match=field):
         reader.read_whole(tag, signature, view(out))
     assert not out.any()
+
+
+SEQ = wire.tag_seq(5, 0)  # collective 5's sequence field, as ``run_bound`` passes it to ``expect``
+
+
+def _stray_frame_case() -> list:
+    """Three ranks; rank 1 sends collective 5's frame with another signature to rank 0, which never receives from it."""
+    t = shm_mesh(3, 1)
+    t[1].expect(SEQ, SIG + 1)
+    t[1].isend(0, 0, wire.make_tag(SEQ, 0, 0), SIG + 1, view(np.ones(8, np.uint8)))
+    t[1].progress(0)
+    return t
+
+
+def test_a_stray_frame_of_the_collective_with_another_signature_fails_the_wait() -> None:
+    """``expect`` looks at idle frames at most every ``LIVENESS_EVERY``; a wait always looks."""
+    t = _stray_frame_case()
+    try:
+        t[0].next_liveness = float("inf")  # expect itself does not look this time
+        t[0].expect(SEQ, SIG)
+        t[0].irecv(2, 0, wire.make_tag(SEQ, 0, 0), SIG, view(np.zeros(8, np.uint8)))
+        with pytest.raises(FrameMismatch, match="signature") as info:
+            drive_for(t[0], 5.0)  # rank 2 never sends: rank 0 waits, and the wait finds it
+        assert info.value.peer == 1
+    finally:
+        for transport in t:
+            transport.close()
+
+
+def test_expect_finds_a_stray_frame_once_the_liveness_interval_passed() -> None:
+    t = _stray_frame_case()
+    try:
+        t[0].next_liveness = 0.0
+        with pytest.raises(FrameMismatch, match="signature") as info:
+            t[0].expect(SEQ, SIG)
+        assert info.value.peer == 1
+    finally:
+        for transport in t:
+            transport.close()
