@@ -45,8 +45,8 @@ def allreduce_schedule(
     allreduces"); the pipelined ring for the rest, and for every slice of a
     sliced buffer.
     ``in_place`` (WORK in the caller's dtype) makes the ring, and
-    halving-doubling unless ``RINGCORE_ATOMIC=1``, write the result straight
-    into the caller's buffer.
+    halving-doubling and the hierarchical allreduce unless
+    ``RINGCORE_ATOMIC=1``, write the result straight into the caller's buffer.
     Halving-doubling is also kept to buffers whose largest frame (half the
     buffer, all of it with extras) fits twice in ``RINGCORE_GPU_STAGING_BYTES``:
     GPU ranks stage whole frames through pinned slots, and pinned memory must
@@ -61,7 +61,9 @@ def allreduce_schedule(
         return recursive_doubling.allreduce(ctx.rank, ctx.size, count, itemsize, settings.segment_size())
     if settings.hierarchical and hierarchical.applies(ctx.grid):
         segment_bytes = settings.segment_size(wide=ctx.wide_segments)
-        return hierarchical.allreduce(ctx.rank, ctx.grid, count, itemsize, segment_bytes)  # type: ignore[arg-type]
+        return hierarchical.allreduce(  # type: ignore[arg-type]
+            ctx.rank, ctx.grid, count, itemsize, segment_bytes, in_place and not settings.atomic
+        )
     if (
         not sliced
         and nbytes <= halving_doubling.byte_limit(ctx.size, settings.halving_bytes)

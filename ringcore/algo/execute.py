@@ -8,7 +8,9 @@ as soon as it is allowed:
 
 * a send of segment k at step s waits until segment k of every earlier step
   has been received and combined (``done_upto[k] >= s``): what it sends is
-  what those steps produced;
+  what those steps produced. Steps that run ``alongside`` one another touch
+  none of each other's regions, so they wait only for the steps before
+  their group (``after[s]``);
 * a receive waits until no pending send reads, and no pending receive or
   combine uses, the region it writes (a region sent at step s and received
   into at step s+N is safe);
@@ -140,6 +142,7 @@ class Executor:
         check_in_place(schedule, user, work, atomic)
         self.step_done = [row[:] for row in program.step_done]
         self.done_upto = program.done_upto[:]
+        self.after = program.after
         self.saved: list[Key] = []  # USER regions whose old values wait in WORK
         self.sending: dict[Key, int] = {}
         self.receiving: set[Key] = set()
@@ -195,7 +198,7 @@ class Executor:
     def _send_ready(self, s: int, k: int) -> bool:
         if self.steps[s].whole:
             return min(self.done_upto) >= s
-        return self.done_upto[k] >= s
+        return self.done_upto[k] >= self.after[s]
 
     def _recv_ready(self, s: int, key: Key) -> bool:
         """Whether step ``s``'s receive into ``key`` may be posted now.
@@ -290,7 +293,7 @@ class Executor:
     def _combine(self, item: Item, recv_key: Key) -> bool:
         """Combine a received segment (if the step says so); False if it must wait."""
         s, k = item
-        if (min(self.done_upto) if self.steps[s].whole else self.done_upto[k]) < s:
+        if (min(self.done_upto) if self.steps[s].whole else self.done_upto[k]) < self.after[s]:
             return False  # an earlier step of this segment is not done: it may still write these regions
         regions = self.combines[item]
         if regions is not None:

@@ -3,8 +3,10 @@
 A :class:`~ringcore.algo.steps.Schedule` says what moves where; a
 :class:`Program` adds what a transport needs to move it: every (step,
 segment) item with its regions cut, its tag bits and its connection, queued
-per connection in (step, segment) order (the order the transport's FIFO
-matching needs), the combines, and the initial readiness state. The
+per connection in the order the transport's FIFO matching needs (step by
+step, segment by segment; steps that run ``alongside`` one another
+interleave, segment by segment), the combines, which leading steps each step
+waits for, and the initial readiness state. The
 pipelined executors (:class:`~ringcore.algo.execute.Executor`, the staged GPU
 one) run those queues. A one-segment program also carries its steps in order
 (:attr:`Program.lockstep`), which :mod:`ringcore.algo.lockstep` runs one at a
@@ -58,6 +60,7 @@ class Program:
     items_per_step: tuple[int, ...]
     step_done: list[list[bool]]  # initial state: steps without a receive are done
     done_upto: list[int]  # initial state: per segment, how many leading steps are done
+    after: tuple[int, ...]  # per step: how many leading steps its segment k waits for (its group's first)
     lockstep: tuple[LockstepStep, ...]  # one segment: the steps in order (a commit combines into USER)
     writes_user: bool  # some step receives or commits into USER (in place)
     sends_user: bool  # some step sends straight from USER (needs WORK in the same dtype)
@@ -86,10 +89,23 @@ def compile_program(schedule: Schedule, transport: Transport) -> Program:
     return entry[1]
 
 
+def waits_for(steps: tuple[Step, ...]) -> tuple[int, ...]:
+    """Per step, how many leading steps its segments wait for: the first step of its ``alongside`` group."""
+    after: list[int] = []
+    for s, step in enumerate(steps):
+        if step.alongside and (s == 0 or step.whole or steps[s - 1].whole):
+            raise ValueError(
+                f"step {s} runs alongside its predecessor, but one of them is whole or it is the first"
+            )
+        after.append(after[-1] if step.alongside else s)
+    return tuple(after)
+
+
 def _compile(schedule: Schedule, transport: Transport) -> Program:
     sends: dict[Route, list[tuple[int, int, Key, int]]] = {}
     recvs: dict[Route, list[tuple[int, int, Key, int]]] = {}
     combines: dict[Item, tuple[Key, Key, Key] | None] = {}
+    after = waits_for(schedule.steps)
     for s, step in enumerate(schedule.steps):
         for k in range(1) if step.whole else range(schedule.segments):
 
@@ -104,6 +120,8 @@ def _compile(schedule: Schedule, transport: Transport) -> Program:
                 route = (step.recv_peer, transport.route(step.recv_peer, k))
                 recvs.setdefault(route, []).append((s, k, cut(step.recv), bits))
                 combines[(s, k)] = tuple(cut(r) for r in step.reduce) if step.reduce else None  # type: ignore[assignment]
+    for items in (*sends.values(), *recvs.values()):  # a group's segments interleave
+        items.sort(key=lambda item: (after[item[0]], item[1], item[0]))
     step_done = [[step.recv is None] * schedule.segments for step in schedule.steps]
     per_step = [0] * len(schedule.steps)
     for items in (*sends.values(), *recvs.values()):
@@ -119,6 +137,7 @@ def _compile(schedule: Schedule, transport: Transport) -> Program:
         tuple(per_step),
         step_done,
         [leading_done(step_done, k) for k in range(schedule.segments)],
+        after,
         lockstep,
         writes_user,
         sends_user=any(step.send is not None and step.send.buf == Buf.USER for step in schedule.steps),

@@ -65,6 +65,13 @@ class Step:
         label: what the step is part of, for the timeline (``"scatter-reduce"``...).
         commit: the reduce's result goes to the same region of USER, whose old
             values move to WORK as a backup (in-place allreduce).
+        alongside: the step is independent of the one before it (and of every
+            step that one runs alongside): it reads and writes none of their
+            regions. It then waits only for the steps before that group, and
+            a connection carries the group's segments interleaved (segment k
+            of each step, then k+1), so a later step that needs segment k of
+            all of them can start after k+1 segments, not after whole steps
+            (the hierarchical allreduce's local steps, one per block).
     """
 
     send_peer: int | None = None
@@ -77,6 +84,7 @@ class Step:
     phase: int = 0
     label: str = ""
     commit: bool = False
+    alongside: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

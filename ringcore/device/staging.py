@@ -123,6 +123,7 @@ class StagedExecutor(Executor):
         self.timeline = None  # GPU collectives are recorded whole, not step by step
         self.step_done = [row[:] for row in program.step_done]
         self.done_upto = program.done_upto[:]
+        self.after = program.after
         routes = [(r, "send") for r in program.sends] + [(r, "recv") for r in program.recvs]
         self.free = staging.slots(routes, _slot_bytes(program, self.arrays))
         self.saved: list[Key] = []

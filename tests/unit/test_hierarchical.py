@@ -16,14 +16,17 @@ import pytest
 
 from ringcore.algo import broadcast as chain
 from ringcore.algo import hierarchical
+from ringcore.algo.execute import Executor
 from ringcore.algo.hierarchical import Grid
-from ringcore.algo.steps import Buf
+from ringcore.algo.program import compile_program, waits_for
+from ringcore.algo.steps import Buf, Region, Step
 from ringcore.buffers import DTYPES
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
 from ringcore.placement import host_grid, place
+from ringcore.transport.loopback import LoopbackNetwork
 from tests import simulate
-from tests.unit.test_executor import execute, reference, run_ranks, scratch_arrays
+from tests.unit.test_executor import RUN_TIMEOUT, SIGNATURE, execute, reference, run_ranks, scratch_arrays
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,6 +90,91 @@ def test_pipelined_over_loopback_matches_numpy(name: str, segment_bytes: int) ->
 
     for got in run_ranks(size, body, channels=2):
         np.testing.assert_array_equal(got, reference(inputs, ReduceOp.SUM))
+
+
+def run_pipelined(grid: Grid, inputs: list[np.ndarray], segment_bytes: int, **options) -> list[np.ndarray]:
+    """Allreduce ``inputs`` over the loopback transport (2 channels); each rank's result, as the plans commit it.
+
+    ``options``: ``in_place`` (no backups, as ``slicing`` asks for it) and
+    ``block_by_block`` (every step waits for the one before, as before
+    ``alongside``: the general route the interleaved local rounds must agree with).
+    """
+    size, count = size_of(grid), inputs[0].size
+    in_place, block_by_block = options.get("in_place", False), options.get("block_by_block", False)
+
+    def body(rank: int, network) -> np.ndarray:
+        reducer = Reducer(DTYPES[inputs[0].dtype.name], ReduceOp.SUM, Compression.NONE, size)
+        schedule = hierarchical.allreduce(rank, grid, count, 4, segment_bytes, in_place)
+        if block_by_block:
+            steps = tuple(dataclasses.replace(step, alongside=False) for step in schedule.steps)
+            schedule = dataclasses.replace(schedule, steps=steps)
+        user = inputs[rank].copy()
+        arrays = scratch_arrays(schedule, user, reducer.wire_dtype)
+        Executor(
+            network.transport(rank), schedule, arrays, reducer, 7, SIGNATURE, RUN_TIMEOUT, atomic=False
+        ).run()
+        result = schedule.result
+        assert (result.buf == Buf.USER) == in_place
+        return arrays[result.buf][result.start : result.start + result.count].copy()
+
+    return run_ranks(size, body, channels=2)
+
+
+@pytest.mark.parametrize("name", ["4x2", "2x3", "2x4 shuffled"])
+@pytest.mark.parametrize("segment_bytes", [4, 64])
+def test_in_place_and_block_by_block_agree_bitwise_with_the_interleaved_route(
+    name: str, segment_bytes: int
+) -> None:
+    """In place, the caller's buffer ends with the same bits; so does running local rounds block by block."""
+    grid = GRIDS[name]
+    inputs = [x.astype(np.float32) for x in inputs_for(grid, 203, "float64", seed=len(grid))]
+    interleaved = run_pipelined(grid, inputs, segment_bytes)
+    for got in interleaved:
+        np.testing.assert_allclose(got, reference(inputs, ReduceOp.SUM), rtol=1e-5, atol=1e-5)
+        assert got.tobytes() == interleaved[0].tobytes()
+    for options in ({"in_place": True}, {"block_by_block": True}, {"in_place": True, "block_by_block": True}):
+        for got in run_pipelined(grid, inputs, segment_bytes, **options):
+            assert got.tobytes() == interleaved[0].tobytes(), options
+
+
+@pytest.mark.parametrize("name", sorted(GRIDS))
+def test_in_place_simulated_matches_numpy(name: str) -> None:
+    grid = GRIDS[name]
+    size = size_of(grid)
+    for count in sorted({size, size + 1, 997}):
+        inputs = inputs_for(grid, count, "int64", seed=count)
+        schedules = [hierarchical.allreduce(r, grid, count, 8, 64, True) for r in range(size)]
+        assert all(s.result.buf == Buf.USER for s in schedules)
+        reducer = Reducer(DTYPES["int64"], ReduceOp.SUM, Compression.NONE, size)
+        for got in simulate.simulate(schedules, inputs, reducer):
+            np.testing.assert_array_equal(got, reference(inputs, ReduceOp.SUM))
+
+
+def test_a_local_round_interleaves_its_blocks_segment_by_segment() -> None:
+    """The local connection carries segment k of every block first; the first cross-host step waits for them only."""
+    grid, count, segments = GRIDS["4x2"], 8 * 1000, 5
+    schedule = hierarchical.allreduce(0, grid, count, 4, 1000 * 4 // segments)
+    assert schedule.segments == segments
+    program = compile_program(schedule, LoopbackNetwork(8, 1).transport(0))
+    local_sends = program.sends[(1, 0)]  # rank 0's local peer: 4 reduce-scatter steps, then 4 allgather steps
+    head = [(s, k) for s, k, _key, _bits in local_sends[:8]]
+    assert head == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (3, 1)]
+    tail = [(s, k) for s, k, _key, _bits in local_sends[-4:]]
+    assert tail == [(10, 4), (11, 4), (12, 4), (13, 4)]
+    assert program.after[:5] == (0, 0, 0, 0, 4) and program.after[-4:] == (10, 10, 10, 10)
+    cross = [(s, k) for s, k, _key, _bits in program.sends[(2, 0)]]
+    assert cross == sorted(cross)  # dependent steps stay step by step
+
+
+def test_alongside_is_refused_where_it_cannot_hold() -> None:
+    first = Step(1, Region(Buf.USER, 0, 1), 1, Region(Buf.WORK, 0, 1), alongside=True)
+    with pytest.raises(ValueError, match="step 0 runs alongside"):
+        waits_for((first,))
+    plain = dataclasses.replace(first, alongside=False)
+    whole = dataclasses.replace(first, alongside=False, whole=True)
+    with pytest.raises(ValueError, match="step 1 runs alongside"):
+        waits_for((whole, first))
+    assert waits_for((plain, first, first, plain, first)) == (0, 0, 0, 3, 3)
 
 
 def test_fp16_compression_rounds_once_per_hop_and_agrees_bitwise() -> None:
