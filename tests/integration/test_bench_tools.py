@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from ab_settings import variant_settings  # noqa: E402
+from link_trace import busy_spans  # noqa: E402
 
 
 def _run_bench(command: list[str], timeout: float = 100) -> subprocess.CompletedProcess[str]:
@@ -122,3 +123,30 @@ def test_latency_layers_times_every_layer_of_the_small_route() -> None:
         proc.stdout
     )
     assert all(float(value) > 0 for _, *values in rows for value in values)
+
+
+def test_link_trace_finds_the_busy_spans_and_the_idle_gap_between() -> None:
+    """0.2 s idle, 0.5 s at 110 MB/s, 0.1 s idle, 0.3 s at 50 MB/s: two spans with their bytes."""
+    times = np.arange(0.0, 1.2, 0.001)
+    rate = np.where(
+        (times >= 0.2) & (times < 0.7), 110e6, np.where((times >= 0.8) & (times < 1.1), 50e6, 0.0)
+    )
+    sent = np.concatenate([[0.0], np.cumsum(rate[:-1] * 0.001)])
+    spans = busy_spans(np.column_stack([times + 5.0, sent, sent]), bin_s=0.01)
+    assert [(round(s.start, 2), round(s.end, 2)) for s in spans] == [(0.2, 0.7), (0.8, 1.1)]
+    assert [round(s.sent / 1e6, 1) for s in spans] == [55.0, 15.0]
+    assert round(spans[0].rate) == 110 and round(spans[1].rate) == 50
+    assert not spans[0].slow and len(spans[1].slow) == 30  # every bin of the second is below 100 MB/s
+
+
+def test_link_trace_records_a_real_interface(tmp_path: Path) -> None:
+    out = tmp_path / "lo.npy"
+    done = _run_bench(
+        [sys.executable, "bench/link_trace.py", "record", str(out), "--iface", "lo", "--seconds", "0.2"]
+    )
+    assert done.returncode == 0, done.stderr
+    rows = np.load(out)
+    assert rows.shape[1] == 3 and len(rows) >= 20
+    assert np.all(np.diff(rows[:, 0]) > 0) and np.all(np.diff(rows[:, 1]) >= 0)
+    shown = _run_bench([sys.executable, "bench/link_trace.py", "show", str(out)])
+    assert shown.returncode == 0, shown.stderr
