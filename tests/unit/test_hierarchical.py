@@ -148,6 +148,12 @@ def test_in_place_simulated_matches_numpy(name: str) -> None:
         reducer = Reducer(DTYPES["int64"], ReduceOp.SUM, Compression.NONE, size)
         for got in simulate.simulate(schedules, inputs, reducer):
             np.testing.assert_array_equal(got, reference(inputs, ReduceOp.SUM))
+        floats = inputs_for(grid, count, "float64", seed=count)  # avg divides once, in the commit
+        averaged = Reducer(DTYPES["float64"], ReduceOp.AVG, Compression.NONE, size)
+        out_of_place = [hierarchical.allreduce(r, grid, count, 8, 64) for r in range(size)]
+        expected = simulate.simulate(out_of_place, floats, averaged)[0]
+        for got in simulate.simulate(schedules, floats, averaged):
+            assert got.tobytes() == expected.tobytes()
 
 
 def test_a_local_round_interleaves_its_blocks_segment_by_segment() -> None:
