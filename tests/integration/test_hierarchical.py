@@ -48,6 +48,7 @@ def layout(comm: object) -> dict[str, object]:
         "transport": type(transport).__name__,
         "local": list(getattr(transport, "local", [])),
         "stages": sorted({step.label for step in schedule.steps}),
+        "result": schedule.result.buf.name,  # in place (USER) unless RINGCORE_ATOMIC=1 (WORK)
         "gather stages": [sorted({step.label for step in g.steps}) for g in gathers],
     }
 
@@ -60,7 +61,7 @@ def test_allreduce_matches_numpy_on_two_hosts_of_two(transport: str) -> None:
     with Cluster(4, env=env, timeout=120, hostnames=HOSTS) as cluster:
         stages = ["cross allgather", "cross reduce-scatter", "local allgather", "local reduce-scatter"]
         for rank, report in enumerate(cluster.results(layout)):
-            assert report["grid"] == GRID and report["stages"] == stages
+            assert report["grid"] == GRID and report["stages"] == stages and report["result"] == "USER"
             assert report["barrier"] == [True, False], "a round inside the host, then one across"
             assert report["gather stages"] == [stages[:1] + stages[2:3], stages[1:2] + stages[3:]]
             if transport == "auto":  # the other rank of its host only
@@ -111,18 +112,21 @@ def test_broadcast_allgather_reduce_scatter_on_two_hosts_of_two() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_the_flat_ring_agrees_exactly() -> None:
-    """RINGCORE_HIERARCHICAL=0 on the same hosts: the same integers (exact in any order)."""
+def test_the_flat_ring_and_the_atomic_form_agree_exactly() -> None:
+    """RINGCORE_HIERARCHICAL=0, and RINGCORE_ATOMIC=1 (out of place), on the same hosts: the same integers."""
     rng = np.random.default_rng(3)
     inputs = [rng.integers(-1000, 1000, 700_001).astype(np.int64) for _ in range(4)]
     found = []
-    for hierarchical in ("1", "0"):
-        env = {"RINGCORE_TRANSPORT": "auto", "RINGCORE_HIERARCHICAL": hierarchical}
+    for hierarchical, atomic in (("1", "0"), ("0", "0"), ("1", "1")):
+        env = {"RINGCORE_TRANSPORT": "auto", "RINGCORE_HIERARCHICAL": hierarchical, "RINGCORE_ATOMIC": atomic}
         with Cluster(4, env=env, timeout=120, hostnames=HOSTS) as cluster:
+            if hierarchical == "1":
+                want = "WORK" if atomic == "1" else "USER"
+                assert all(report["result"] == want for report in cluster.results(layout))
             found.append(cluster.results(tasks.allreduce, inputs, "sum", timeout=120))
-    for a, b in zip(*found, strict=True):
-        np.testing.assert_array_equal(a, b)
-        np.testing.assert_array_equal(a, np.sum(inputs, axis=0))
+    for results in zip(*found, strict=True):
+        for got in results:
+            np.testing.assert_array_equal(got, np.sum(inputs, axis=0))
 
 
 @pytest.mark.timeout(240)
