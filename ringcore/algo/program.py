@@ -90,15 +90,41 @@ def compile_program(schedule: Schedule, transport: Transport) -> Program:
 
 
 def waits_for(steps: tuple[Step, ...]) -> tuple[int, ...]:
-    """Per step, how many leading steps its segments wait for: the first step of its ``alongside`` group."""
+    """Per step, how many leading steps its segments wait for: the first step of its ``alongside`` group.
+
+    Raises:
+        ValueError: a step runs alongside a whole step, is the first, or
+            touches a region an earlier step of its group writes (or writes
+            one it reads): it would then depend on that step after all.
+    """
     after: list[int] = []
     for s, step in enumerate(steps):
         if step.alongside and (s == 0 or step.whole or steps[s - 1].whole):
             raise ValueError(
                 f"step {s} runs alongside its predecessor, but one of them is whole or it is the first"
             )
+        if step.alongside:
+            for earlier in range(after[-1], s):
+                if _conflict(steps[earlier], step):
+                    raise ValueError(
+                        f"step {s} runs alongside step {earlier}, but they touch the same region"
+                    )
         after.append(after[-1] if step.alongside else s)
     return tuple(after)
+
+
+def _conflict(x: Step, y: Step) -> bool:
+    """Whether one of the steps writes a region the other reads or writes (two reads are no conflict)."""
+
+    def reads(step: Step) -> list[Region]:
+        return [r for r in (step.send, *(step.reduce or ())[1:]) if r is not None]
+
+    def writes(step: Step) -> list[Region]:
+        return [r for r in (step.recv, *(step.reduce or ())[:1]) if r is not None]
+
+    return any(_overlap(w, r) for w in writes(x) for r in reads(y) + writes(y)) or any(
+        _overlap(w, r) for w in writes(y) for r in reads(x)
+    )
 
 
 def _compile(schedule: Schedule, transport: Transport) -> Program:

@@ -173,14 +173,23 @@ def test_a_local_round_interleaves_its_blocks_segment_by_segment() -> None:
 
 
 def test_alongside_is_refused_where_it_cannot_hold() -> None:
-    first = Step(1, Region(Buf.USER, 0, 1), 1, Region(Buf.WORK, 0, 1), alongside=True)
+    def block(j: int, alongside: bool = True, whole: bool = False) -> Step:
+        """Send USER block j, receive into WORK block j, add USER block j: touches block j only."""
+        mine, got = Region(Buf.USER, j, 1), Region(Buf.WORK, j, 1)
+        return Step(1, mine, 1, got, reduce=(got, got, mine), alongside=alongside, whole=whole)
+
     with pytest.raises(ValueError, match="step 0 runs alongside"):
-        waits_for((first,))
-    plain = dataclasses.replace(first, alongside=False)
-    whole = dataclasses.replace(first, alongside=False, whole=True)
+        waits_for((block(0),))
     with pytest.raises(ValueError, match="step 1 runs alongside"):
-        waits_for((whole, first))
-    assert waits_for((plain, first, first, plain, first)) == (0, 0, 0, 3, 3)
+        waits_for((block(0, alongside=False, whole=True), block(1)))
+    assert waits_for((block(0, False), block(1), block(2), block(3, False), block(4))) == (0, 0, 0, 3, 3)
+    with pytest.raises(ValueError, match="step 2 runs alongside step 0, but they touch the same region"):
+        waits_for((block(0, False), block(1), block(0)))  # writes WORK block 0 again
+    reader = Step(1, Region(Buf.WORK, 0, 1), 1, Region(Buf.STAGE, 0, 1), alongside=True)
+    with pytest.raises(ValueError, match="step 1 runs alongside step 0"):
+        waits_for((block(0, False), reader))  # sends what step 0 receives
+    shared_read = Step(1, Region(Buf.USER, 0, 1), 1, Region(Buf.STAGE, 0, 1), alongside=True)
+    assert waits_for((block(0, False), shared_read)) == (0, 0)  # both read USER block 0: no conflict
 
 
 def test_fp16_compression_rounds_once_per_hop_and_agrees_bitwise() -> None:
