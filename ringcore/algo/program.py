@@ -114,13 +114,18 @@ def waits_for(steps: tuple[Step, ...]) -> tuple[int, ...]:
 
 
 def _conflict(x: Step, y: Step) -> bool:
-    """Whether one of the steps writes a region the other reads or writes (two reads are no conflict)."""
+    """Whether one of the steps writes a region the other reads or writes (two reads are no conflict).
+
+    A ``commit`` also writes its destination's range of USER; empty regions touch nothing.
+    """
 
     def reads(step: Step) -> list[Region]:
-        return [r for r in (step.send, *(step.reduce or ())[1:]) if r is not None]
+        return [r for r in (step.send, *(step.reduce or ())[1:]) if r is not None and r.count]
 
     def writes(step: Step) -> list[Region]:
-        return [r for r in (step.recv, *(step.reduce or ())[:1]) if r is not None]
+        dst = step.reduce[0] if step.reduce else None
+        committed = dataclasses.replace(dst, buf=Buf.USER) if dst is not None and step.commit else None
+        return [r for r in (step.recv, dst, committed) if r is not None and r.count]
 
     return any(_overlap(w, r) for w in writes(x) for r in reads(y) + writes(y)) or any(
         _overlap(w, r) for w in writes(y) for r in reads(x)

@@ -190,6 +190,12 @@ def test_alongside_is_refused_where_it_cannot_hold() -> None:
         waits_for((block(0, False), reader))  # sends what step 0 receives
     shared_read = Step(1, Region(Buf.USER, 0, 1), 1, Region(Buf.STAGE, 0, 1), alongside=True)
     assert waits_for((block(0, False), shared_read)) == (0, 0)  # both read USER block 0: no conflict
+    committing = dataclasses.replace(block(0, False), commit=True)  # writes USER block 0 too
+    with pytest.raises(ValueError, match="step 1 runs alongside step 0"):
+        waits_for((committing, shared_read))
+    wide = Step(1, Region(Buf.USER, 0, 4), 1, Region(Buf.WORK, 0, 4))
+    empty = Step(1, Region(Buf.USER, 2, 0), 1, Region(Buf.WORK, 2, 0), alongside=True)
+    assert waits_for((wide, empty)) == (0, 0)  # an empty region, even inside another, touches nothing
 
 
 def test_fp16_compression_rounds_once_per_hop_and_agrees_bitwise() -> None:
