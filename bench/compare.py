@@ -64,9 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         print_tables(doc["results"], doc["meta"]["engines"], doc["meta"]["np"])
         return 0
     names = [e for e in args.engines.split(",") if e]
-    unknown = sorted(set(names) - set(engines.ENGINES))
+    unknown = sorted(set(names) - set(engines.ENGINES + engines.FLOORS))
     if unknown:
-        parser.error(f"unknown engine(s) {', '.join(unknown)}; use {', '.join(engines.ENGINES)}")
+        parser.error(
+            f"unknown engine(s) {', '.join(unknown)}; use {', '.join(engines.ENGINES + engines.FLOORS)}"
+        )
     try:
         ns = [int(x) for x in args.np.split(",") if x]
         plan = engines.Plan(

@@ -10,6 +10,10 @@ Engines:
   peer that moves bytes the way ringcore does.
 - ``mpi-shm``: OpenMPI's on-node default, shared memory (``btl self,vader``):
   the ceiling on one machine, not a like-for-like peer.
+- ``floor-cma``, ``floor-shm``, ``floor-mix`` (only when named): not engines but
+  the memory passes of a ring allreduce alone, each rank against its peer's
+  memory with no synchronization (:mod:`ringcore.bench.peers.floor_worker`):
+  what no engine making those passes can beat. Results are not checked.
 
 Peers print JSON lines on stdout (rank 0, one per size). Every run has a
 timeout; on expiry its process group gets SIGTERM, then SIGKILL. A run that
@@ -35,6 +39,7 @@ from typing import Any
 from ringcore.bench import report
 
 ENGINES = ("ringcore", "gloo", "mpi-tcp", "mpi-shm")
+FLOORS = ("floor-cma", "floor-shm", "floor-mix", "floor-ring")  # run when named (--engines), never by default
 # What each engine needs besides ringcore itself: (python module, program)
 _NEEDS = {"gloo": ("torch", None), "mpi-tcp": ("mpi4py", "mpirun"), "mpi-shm": ("mpi4py", "mpirun")}
 _MCA = {
@@ -110,7 +115,10 @@ def command(engine: str, n: int, plan: Plan, json_path: Path) -> list[str]:
         return [py, "-m", "ringcore.bench.peers.gloo_worker", "--np", str(n), *peer_args]
     if engine in _MCA:
         return [*mpirun(n, _MCA[engine]), py, "-m", "ringcore.bench.peers.mpi_worker", *peer_args]
-    raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
+    if engine in FLOORS:
+        launch = [py, "-m", "ringcore.run", "-np", str(n), "--no-prefix", "--"]
+        return [*launch, py, "-m", "ringcore.bench.peers.floor_worker", *peer_args]
+    raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES + FLOORS)}")
 
 
 def mpirun(n: int, mca: list[str]) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -150,3 +151,31 @@ def test_link_trace_records_a_real_interface(tmp_path: Path) -> None:
     assert np.all(np.diff(rows[:, 0]) > 0) and np.all(np.diff(rows[:, 1]) >= 0)
     shown = _run_bench([sys.executable, "bench/link_trace.py", "show", str(out)])
     assert shown.returncode == 0, shown.stderr
+
+
+def test_ring_moves_visit_every_chunk_once_per_half() -> None:
+    from ringcore.bench.peers.floor_worker import ring_moves
+
+    for size in (2, 3, 4):
+        for rank in range(size):
+            moves = ring_moves(rank, size, 12)
+            reduces = [start for kind, start, _ in moves if kind == "reduce"]
+            copies = [start for kind, start, _ in moves if kind == "copy"]
+            own = 12 // size * ((rank + 1) % size)  # the chunk its last reduce step completes
+            assert len(reduces) == len(copies) == size - 1
+            assert own not in copies and len(set(copies)) == size - 1  # receives all but what it reduced
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_floor_ring_is_a_real_allreduce_and_the_pass_floors_run(np_: int) -> None:
+    """floor-ring's sums are checked by the timing loop (wrong 0); the pass floors report wrong null."""
+    for engine, want_wrong in (("floor-ring", 0), ("floor-mix", None), ("floor-cma", None)):
+        launch = [sys.executable, "-m", "ringcore.run", "-np", str(np_), "--no-prefix", "--"]
+        worker = [sys.executable, "-m", "ringcore.bench.peers.floor_worker", "--engine", engine]
+        options = ["--sizes", "48K,3M", "--iters", "3", "--warmup", "1"]
+        proc = _run_bench([*launch, *worker, *options], timeout=100)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert [row["bytes"] for row in rows] == [48 << 10, 3 << 20], proc.stdout
+        assert all(row["wrong"] == want_wrong and row["busbw"] > 0 for row in rows), rows
