@@ -42,6 +42,24 @@ def test_variant_settings_apply_only_what_they_name() -> None:
     assert variant_settings(base, "ATOMIC=0") == base
 
 
+@pytest.mark.parametrize("text", ["SHM_BYTES=1M", "ATOMIC=1+SPIN_US=0", "TRANSPORT=tcp"])
+def test_variant_settings_refuse_what_the_transport_took_at_init(text: str) -> None:
+    with pytest.raises(SystemExit, match="taken at init"):
+        variant_settings(Settings.from_env({}), text)
+
+
+@pytest.mark.timeout(120)
+def test_ab_settings_variants_reach_the_plans() -> None:
+    """Each variant plans again under its own settings: 4 KiB runs as the small form only with SMALL_BYTES."""
+    script = [sys.executable, "bench/ab_settings.py", "4K", "SMALL_BYTES=0", "SMALL_BYTES=64K"]
+    proc = _run_bench(
+        [sys.executable, "-m", "ringcore.run", "-np", "2", *script, "--blocks", "1", "--iters", "3"]
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    forms = re.findall(r"SMALL_BYTES=(\w+) .* form (\S+)", proc.stdout)
+    assert forms == [("0", "in_place"), ("64K", "small")], proc.stdout
+
+
 @pytest.mark.timeout(120)
 def test_ab_settings_checks_and_times_every_variant() -> None:
     script = [sys.executable, "bench/ab_settings.py", "256K", "ATOMIC=1", "ATOMIC=0+SEGMENT_BYTES=64K"]
