@@ -197,3 +197,13 @@ def test_floor_ring_is_a_real_allreduce_and_the_pass_floors_run(np_: int) -> Non
         rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         assert [row["bytes"] for row in rows] == [48 << 10, 3 << 20], proc.stdout
         assert all(row["wrong"] == want_wrong and row["busbw"] > 0 for row in rows), rows
+
+
+@pytest.mark.timeout(120)
+def test_ab_floor_checks_both_engines_and_prints_the_ratio_per_block() -> None:
+    script = [sys.executable, "bench/ab_floor.py", "64K", "1M", "--blocks", "2", "--budget", "4M"]
+    proc = _run_bench([sys.executable, "-m", "ringcore.run", "-np", "2", *script])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ratios = re.findall(r"N=2 +(\w+) ringcore/floor-ring per block: ([\d.]+) ([\d.]+) +median", proc.stdout)
+    assert [size for size, *_ in ratios] == ["64K", "1M"], proc.stdout
+    assert all(float(r) > 0 for _, *values in ratios for r in values)
