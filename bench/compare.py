@@ -44,7 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--np", default="2,4", help="comma list of rank counts (default 2,4)")
     add("--sizes", default=DEFAULT_SIZES, help=f"comma list of sizes (default {DEFAULT_SIZES})")
     add("--repeat", type=int, default=3, help="interleaved repeats; the table shows medians (default 3)")
-    add("--engines", default=",".join(engines.ENGINES), help="comma list (default: all)")
+    add(
+        "--engines",
+        default=",".join(engines.ENGINES),
+        help=f"comma list (default: all engines; floors only when named: {','.join(engines.FLOORS)})",
+    )
     add("--out", type=Path, default=DEFAULT_OUT, help="output folder (default bench/out/)")
     add("--iters", type=int, default=20, help="timed iterations per size (default 20)")
     add("--warmup", type=int, default=5, help="warmup iterations per size (default 5)")

@@ -10,10 +10,10 @@ Engines:
   peer that moves bytes the way ringcore does.
 - ``mpi-shm``: OpenMPI's on-node default, shared memory (``btl self,vader``):
   the ceiling on one machine, not a like-for-like peer.
-- ``floor-cma``, ``floor-shm``, ``floor-mix`` (only when named): not engines but
-  the memory passes of a ring allreduce alone, each rank against its peer's
-  memory with no synchronization (:mod:`ringcore.bench.peers.floor_worker`):
-  what no engine making those passes can beat. Results are not checked.
+- floors, run only when named (:mod:`ringcore.bench.peers.floor_worker`):
+  ``floor-ring``, a bare ring allreduce in Python through shared-memory slots
+  (results checked), and ``floor-cma``, ``floor-shm``, ``floor-mix``, the
+  ring's memory passes alone with no synchronization (results not checked).
 
 Peers print JSON lines on stdout (rank 0, one per size). Every run has a
 timeout; on expiry its process group gets SIGTERM, then SIGKILL. A run that

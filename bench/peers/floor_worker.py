@@ -49,12 +49,9 @@ from ringcore.bench.peers import loop
 from ringcore.transport import cma
 from ringcore.transport.registration import view_address
 
-PIECE_BYTES = int(
-    os.environ.get("FLOOR_PIECE_BYTES", 1 << 20)
-)  # one step's piece (ringcore: single-copy frames)
-SEGMENT_BYTES = int(
-    os.environ.get("FLOOR_SEGMENT_BYTES", 4 << 20)
-)  # a rank's slots (ringcore: RINGCORE_SHM_BYTES)
+# One step's piece (ringcore: its single-copy frames) and a rank's slots (ringcore: RINGCORE_SHM_BYTES).
+PIECE_BYTES = int(os.environ.get("FLOOR_PIECE_BYTES", 1 << 20))
+SEGMENT_BYTES = int(os.environ.get("FLOOR_SEGMENT_BYTES", 4 << 20))
 HEADER_BYTES = 128  # two int64 counters, each on its own cache line:
 PRODUCED, CONSUMED = 0, 8  # pieces this rank wrote into its slots; pieces of its left peer's it has read
 VARIANTS = {"floor-cma": ("cma", "cma"), "floor-shm": ("shm", "shm"), "floor-mix": ("shm", "cma")}
@@ -79,7 +76,7 @@ def ring_moves(rank: int, size: int, count: int) -> list[tuple[str, int, int]]:
 
 
 class FloorPeer:
-    """:class:`loop.Peer` whose ``allreduce`` is the ring's memory passes only (see the module docstring)."""
+    """:class:`loop.Peer` whose ``allreduce`` is a floor: the bare ring, or its passes alone (module docstring)."""
 
     def __init__(self, variant: str) -> None:
         import ringcore
@@ -100,13 +97,16 @@ class FloorPeer:
     def _map_segments(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Every rank's slots (float32) and counters (int64: pieces produced, consumed), mapped here.
 
-        The files are unlinked once every rank has mapped them.
+        Each file is this user's alone (0600) and unlinked once every rank has mapped it.
         """
         token = np.array([secrets.randbits(48)], np.float64)
         self.ringcore.broadcast(token, root=0)
         path = f"/dev/shm/ringcore-floor-{int(token[0]):x}-{{}}"
-        with open(path.format(self.rank), "w+b") as file:
-            file.truncate(HEADER_BYTES + SEGMENT_BYTES)
+        fd = os.open(path.format(self.rank), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, HEADER_BYTES + SEGMENT_BYTES)
+        finally:
+            os.close(fd)
         self.barrier()
         maps = []
         for peer in range(self.size):
