@@ -35,10 +35,11 @@ queue walk), and waiting through its ``exchange`` when it has one, else
 Writing the caller's buffer. In-place schedules (halving-doubling, a
 one-segment ring) receive into USER and combine into it (a ``commit`` step).
 Without ``RINGCORE_ATOMIC`` nothing is backed up, so those steps run here
-too: a commit combines straight into USER, and a receive into USER is posted
-and progressed (header, then payload), never read by the latency path's
-single ``recvmsg_into``, which would spill an unexpected frame's first bytes
-into the caller's memory.
+too: a commit combines straight into USER. Over TCP a receive into USER is
+posted and progressed (header, then payload): TCP's ``swap`` refuses it, as
+its single ``recvmsg_into`` would spill an unexpected frame's first bytes
+into the caller's memory. Shared memory's ``swap`` checks each frame before
+a byte lands, so it takes those receives, and lent ones, too.
 
 Combining from a peer's memory. A step whose received bytes are only a
 combine operand (``lend`` in the program: :mod:`ringcore.algo.program`) is
@@ -150,9 +151,9 @@ def run_bound(
 ) -> None:
     """Run bound ``steps`` in order (see the module docstring); on failure, cancel and re-raise.
 
-    Only receives into scratch memory take the transport's ``swap`` and
-    ``exchange``, which may spill an ABORT's first bytes into the view; a
-    receive into USER is posted and progressed.
+    Every step not posted early is offered to the transport's ``swap``, which
+    says which receives it takes (TCP's: scratch only, see the module
+    docstring); only receives into scratch memory take ``exchange``.
     """
     try:
         transport.expect(seq_bits >> 32, signature)
@@ -164,11 +165,14 @@ def run_bound(
         )
         for index, (tag_bits, send, recv, reduce, final, scratch, lend) in enumerate(steps):
             lends = lend and _lends(transport, recv)  # looked up only here: each lookup costs a small step
-            direct = scratch and index not in posted and not lends  # the latency path may read this receive
-            pair = None if swap is None or not direct else swap(send, recv, seq_bits | tag_bits, signature)
+            pair = (
+                None
+                if swap is None or index in posted
+                else swap(send, recv, seq_bits | tag_bits, signature, lends, scratch)
+            )
             if pair is not None:
                 sent, received = pair
-                if sent is not None or received is not None:
+                if (sent is not None and not sent.done) or (received is not None and not received.done):
                     _wait(transport, sent, received, timeout, interrupt)
             else:
                 sent = received = None

@@ -72,7 +72,11 @@ Latency path. A lockstep step (:mod:`ringcore.algo.lockstep`) between ranks
 of this host goes through ``swap``: the send into its ring at once, the
 receive read from the peer's ring for up to ``spin`` s, the rest left to
 ``progress`` as posted requests; no queue walk and no wait loop per step
-(4 KiB at N=4: 77-85 against 94-113 us). A frame that fits one slot is
+(4 KiB at N=4: 77-85 against 94-113 us). Because every frame is checked
+before a byte of it lands, receives into the caller's buffer and lent ones
+take it too (the in-place ring and halving-doubling: 128-512 KiB 7-23% less
+time per allreduce, ``bench/HISTORY.md``, "Every lockstep step on the latency
+path"). A frame that fits one slot is
 written and read there with no request at all (``write_whole``,
 ``read_whole``, with ``pull``'s checks): back to back, 4 KiB at N=4 went
 from 57-68 to 43-54 us, at N=2 from 11.2 to 9.7 us (with the idle-frame
@@ -519,6 +523,8 @@ class ShmTransport:
         recv: tuple[int, int, memoryview] | None,
         tag: int,
         signature: int,
+        lend: bool = False,
+        scratch: bool = True,
     ) -> tuple[Request | None, Request | None] | None:
         """One lockstep step with no queue walk: the latency path, as ``TcpTransport.swap``.
 
@@ -526,15 +532,19 @@ class ShmTransport:
         receive is read from the peer's ring for up to ``spin`` s (polling
         without a syscall for ``TIGHT_SPIN`` s, as ``progress`` does, then
         with ``sched_yield``); what is not done by then is returned as posted
-        requests, which ``progress`` finishes. Peers both on other hosts:
-        TCP's own ``swap``. None, having done nothing, for a step with one
-        peer of each kind or a receive already queued on its link (post
-        them); a send behind queued ones is queued after them.
+        requests, which ``progress`` finishes. Every frame is checked before a
+        byte of it lands (``pull``, ``read_whole``), so the receive may be the
+        caller's memory (``scratch`` False); with ``lend`` it is posted as
+        :meth:`irecv_lent` and returned even when done, so the caller finds
+        the lent pieces. Peers both on other hosts: TCP's own ``swap``, which
+        takes scratch receives only. None, having done nothing, for a step
+        with one peer of each kind or a receive already queued on its link
+        (post them); a send behind queued ones is queued after them.
         """
         out = self.links.get((send[0], send[1])) if send is not None else None
         into = self.links.get((recv[0], recv[1])) if recv is not None else None
         if out is None and into is None:  # both on other hosts: TCP's own path
-            pair = self.control.swap(send, recv, tag, signature)
+            pair = self.control.swap(send, recv, tag, signature, scratch=scratch)
             if pair is not None:
                 self.last_moved = time.perf_counter()
                 self._remote.extend(request for request in pair if request is not None)
@@ -554,6 +564,8 @@ class ShmTransport:
             start = time.perf_counter()
             tight, deadline = min(self.tight_spin, self.spin), start + self.spin
             yielded = False
+            if lend:
+                received = self._post_receive(into.peer, into.channel, tag, signature, view, lend=True)
             while True:
                 if received is None:
                     whole = into.read_whole(tag, signature, view)
@@ -567,7 +579,8 @@ class ShmTransport:
                     except Withdrawn as gone:
                         raise self._withdrawn(gone) from None
                     if received.done:
-                        received = None
+                        if not lend:
+                            received = None
                         break
                 if sent is not None and out.push() and sent.done:  # type: ignore[union-attr]
                     sent = None

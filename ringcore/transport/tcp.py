@@ -149,17 +149,23 @@ class TcpTransport:
         recv: tuple[int, int, memoryview] | None,
         tag: int,
         signature: int,
+        lend: bool = False,
+        scratch: bool = True,
     ) -> tuple[Request | None, Request | None] | None:
         """One lockstep step straight on its sockets, with no request unless it must wait.
 
-        ``send``/``recv`` are ``(peer, channel, view)``; ``recv`` must be scratch
-        memory (see ``pull_scratch``). Returns None, having done nothing, when
-        either connection has frames queued (post with ``isend``/``irecv``
-        instead). Otherwise sends, then receives for up to ``spin`` seconds,
+        ``send``/``recv`` are ``(peer, channel, view)``. The receive must land in
+        scratch memory (``scratch``; see ``pull_scratch``): its single
+        ``recvmsg_into`` would spill an unexpected frame's first bytes into the
+        view. TCP lends nothing (``lend`` is ignored). Returns None, having done
+        nothing, for a receive into the caller's memory or when either
+        connection has frames queued (post with ``isend``/``irecv`` instead). Otherwise sends, then receives for up to ``spin`` seconds,
         and returns what is left as queued requests (None for each part that
         is done), exactly as if they had been posted and half moved, so
         ``progress`` finishes them.
         """
+        if recv is not None and not scratch:
+            return None
         send_conn = self.conns[(send[0], send[1])] if send is not None else None
         recv_conn = self.conns[(recv[0], recv[1])] if recv is not None else None
         if (send_conn is not None and send_conn.sends) or (recv_conn is not None and recv_conn.recvs):

@@ -150,3 +150,105 @@ def test_a_received_region_read_later_is_not_lent() -> None:
     assert _lends(reread) == [0, 2], "only half is overwritten before a later combine reads the region"
     kept = Schedule((Step(1, work, 1, stage, reduce=(work, work, stage)),), 1, stage)
     assert _lends(kept) == [0], "the received bytes are the result"
+
+
+# --------------------------------------------------------------------------- the latency path
+
+
+def test_swap_lends_a_frame_and_returns_its_receive_done() -> None:
+    from tests.conformance.test_transport import drive, shm_mesh
+
+    t = shm_mesh(2, 1)
+    try:
+        frame = np.arange(1000, dtype=np.uint8)
+        drive(t[0], [t[0].isend(1, 0, 5, SIG, view(frame))])
+        out = np.zeros(1000, np.uint8)
+        sent, received = t[1].swap(None, (0, 0, view(out)), 5, SIG, lend=True, scratch=False)
+        assert sent is None and received is not None and received.done
+        assert received.lent and b"".join(bytes(p) for _, p in received.lent) == frame.tobytes()
+        assert not out.any(), "a lent frame is read where it lies"
+        t[1].release(received)
+        assert t[1].links[(0, 0)].held is None
+    finally:
+        for transport in t:
+            transport.close()
+
+
+def test_swap_checks_a_frame_before_a_byte_lands_in_the_callers_memory() -> None:
+    from ringcore.transport.base import FrameMismatch
+    from tests.conformance.test_transport import drive, shm_mesh
+
+    t = shm_mesh(2, 1)
+    try:
+        drive(t[0], [t[0].isend(1, 0, 5, SIG, view(np.full(100, 7, np.uint8)))])
+        out = np.zeros(100, np.uint8)
+        with pytest.raises(FrameMismatch):
+            t[1].swap(None, (0, 0, view(out)), 6, SIG, scratch=False)
+        assert not out.any(), "the wrong frame left the caller's memory alone"
+    finally:
+        for transport in t:
+            transport.close()
+
+
+def test_tcp_swap_refuses_a_receive_into_the_callers_memory() -> None:
+    from tests.conformance.test_transport import tcp_mesh
+
+    t = tcp_mesh(2, 1)
+    try:
+        assert t[1].swap(None, (0, 0, view(np.zeros(10, np.uint8))), 5, SIG, scratch=False) is None
+        assert not t[1].conns[(0, 0)].recvs, "refused, having posted nothing"
+    finally:
+        for transport in t:
+            transport.close()
+
+
+def _in_place_allreduce(transports: list, users: list[np.ndarray]) -> None:
+    """The in-place ring (2 ranks) or halving-doubling (4) over ``transports``, in lockstep, into ``users``."""
+    from ringcore.algo.lockstep import LockstepExecutor
+    from ringcore.buffers import DTYPES
+    from ringcore.kernels.numpy_ops import Reducer
+    from ringcore.ops import Compression, ReduceOp
+    from tests.conformance.test_transport import in_parallel
+
+    size, count = len(transports), users[0].size
+
+    def run(rank: int) -> None:
+        if size == 2:
+            schedule = ring.allreduce(rank, size, count, 4, 1 << 20, True)
+        else:
+            schedule = halving_doubling.allreduce(rank, size, count, True)
+        arrays = {buf: np.empty(count, np.float32) for buf in (*schedule.scratch, Buf.WORK)}
+        arrays[Buf.USER] = users[rank]
+        reducer = Reducer(DTYPES["float32"], ReduceOp.SUM, Compression.NONE, size)
+        LockstepExecutor(transports[rank], schedule, arrays, reducer, 1, SIG, 20.0).run()
+
+    in_parallel(*[lambda rank=rank: run(rank) for rank in range(size)])
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_in_place_steps_over_shared_memory_take_the_latency_path_and_agree_with_posting(size: int) -> None:
+    """Lent and caller-memory receives go through ``swap``; with it disabled, posted, the same bits."""
+    from tests.conformance.test_transport import shm_mesh
+
+    rng = np.random.default_rng(size)
+    inputs = [
+        rng.standard_normal(1 << 16).astype(np.float32) for _ in range(size)
+    ]  # frames of 64-128 KiB: lent
+    results, calls = {}, []
+    for latency_path in (True, False):
+        t = shm_mesh(size, 1, shm_bytes=256 << 10)
+        try:
+            for transport in t:
+                real = transport.swap
+                spy = lambda *a, real=real, **kw: calls.append(a[4:6]) or real(*a, **kw)  # noqa: E731
+                transport.swap = spy if latency_path else None  # None: every step posted
+            results[latency_path] = [x.copy() for x in inputs]
+            _in_place_allreduce(t, results[latency_path])
+        finally:
+            for transport in t:
+                transport.close()
+    assert any(lend for lend, _ in calls), "a lent receive took swap"
+    assert any(not scratch for _, scratch in calls), "a receive into USER took swap"
+    for fast, posted in zip(results[True], results[False], strict=True):
+        np.testing.assert_array_equal(fast, posted)
+    np.testing.assert_allclose(results[True][0], np.sum(inputs, axis=0), rtol=1e-5, atol=1e-5)

@@ -96,7 +96,7 @@ def test_recursive_doubling_over_both_paths_matches_numpy(two_hosts: list) -> No
     swaps = []
     for transport in two_hosts:
         real = transport.control.swap
-        transport.control.swap = lambda *args, real=real: swaps.append(args) or real(*args)
+        transport.control.swap = lambda *args, real=real, **kw: swaps.append(args) or real(*args, **kw)
     rng = np.random.default_rng(0)
     inputs = [rng.integers(-100, 100, 1000).astype(np.int32) for _ in range(4)]
     for round_trip in range(3):  # several collectives: the paths alternate cleanly
