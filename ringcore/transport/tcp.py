@@ -159,10 +159,11 @@ class TcpTransport:
         ``recvmsg_into`` would spill an unexpected frame's first bytes into the
         view. TCP lends nothing (``lend`` is ignored). Returns None, having done
         nothing, for a receive into the caller's memory or when either
-        connection has frames queued (post with ``isend``/``irecv`` instead). Otherwise sends, then receives for up to ``spin`` seconds,
-        and returns what is left as queued requests (None for each part that
-        is done), exactly as if they had been posted and half moved, so
-        ``progress`` finishes them.
+        connection has frames queued (post with ``isend``/``irecv`` instead).
+        Otherwise sends, then receives for up to ``spin`` seconds, and returns
+        what is left as queued requests (None for each part that is done),
+        exactly as if they had been posted and half moved, so ``progress``
+        finishes them.
         """
         if recv is not None and not scratch:
             return None
