@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
 from ringcore.algo import halving_doubling, program, recursive_doubling, ring
 from ringcore.algo.steps import Buf, Region, Schedule, Step
 from ringcore.transport import shm
-from ringcore.transport.base import Request
-from tests.conformance.test_transport import SIG, view
+from ringcore.transport.base import FrameMismatch, Request
+from tests.conformance.test_transport import SIG, drive, shm_mesh, tcp_mesh, view
 from tests.unit.test_shm_single_copy import link_pair
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def shm_pair() -> Iterator[list]:
+    """Two ranks over shared memory, one channel; closed after the test."""
+    t = shm_mesh(2, 1)
+    try:
+        yield t
+    finally:
+        for transport in t:
+            transport.close()
 
 
 def _send(writer: shm._Link, frame: np.ndarray, tag: int) -> Request:
@@ -77,30 +90,24 @@ def test_a_frame_sent_as_a_pointer_is_copied_not_lent() -> None:
     np.testing.assert_array_equal(out, frame)
 
 
-def test_cancel_gives_lent_slots_back() -> None:
-    from tests.conformance.test_transport import drive, shm_mesh
-
-    t = shm_mesh(2, 1)
-    try:
-        frames = [np.arange(1000, dtype=np.uint8), np.arange(1000, dtype=np.uint8)[::-1].copy()]
-        first = t[0].isend(1, 0, 5, SIG, view(frames[0]))
-        drive(t[0], [first])
-        lent = t[1].irecv_lent(0, 0, 5, SIG, view(np.zeros(1000, np.uint8)))
-        drive(t[1], [lent])
-        assert lent.lent, "a frame from a local peer in slots is lent"
-        blocked = [t[0].isend(1, 0, 6 + k, SIG, view(frames[1])) for k in range(3)]
-        t[0].progress(0)
-        assert not blocked[-1].done, "3 slots, one lent: the third frame waits"
-        t[1].cancel()  # a failed collective: the lent frame is dropped, its slots freed
-        drive(t[0], blocked)
-        outs = [np.zeros(1000, np.uint8) for _ in blocked]
-        received = [t[1].irecv(0, 0, 6 + k, SIG, view(out)) for k, out in enumerate(outs)]
-        drive(t[1], received)
-        for out in outs:
-            np.testing.assert_array_equal(out, frames[1])
-    finally:
-        for transport in t:
-            transport.close()
+def test_cancel_gives_lent_slots_back(shm_pair: list) -> None:
+    t = shm_pair
+    frames = [np.arange(1000, dtype=np.uint8), np.arange(1000, dtype=np.uint8)[::-1].copy()]
+    first = t[0].isend(1, 0, 5, SIG, view(frames[0]))
+    drive(t[0], [first])
+    lent = t[1].irecv_lent(0, 0, 5, SIG, view(np.zeros(1000, np.uint8)))
+    drive(t[1], [lent])
+    assert lent.lent, "a frame from a local peer in slots is lent"
+    blocked = [t[0].isend(1, 0, 6 + k, SIG, view(frames[1])) for k in range(3)]
+    t[0].progress(0)
+    assert not blocked[-1].done, "3 slots, one lent: the third frame waits"
+    t[1].cancel()  # a failed collective: the lent frame is dropped, its slots freed
+    drive(t[0], blocked)
+    outs = [np.zeros(1000, np.uint8) for _ in blocked]
+    received = [t[1].irecv(0, 0, 6 + k, SIG, view(out)) for k, out in enumerate(outs)]
+    drive(t[1], received)
+    for out in outs:
+        np.testing.assert_array_equal(out, frames[1])
 
 
 # --------------------------------------------------------------------------- which steps lend
@@ -155,44 +162,29 @@ def test_a_received_region_read_later_is_not_lent() -> None:
 # --------------------------------------------------------------------------- the latency path
 
 
-def test_swap_lends_a_frame_and_returns_its_receive_done() -> None:
-    from tests.conformance.test_transport import drive, shm_mesh
-
-    t = shm_mesh(2, 1)
-    try:
-        frame = np.arange(1000, dtype=np.uint8)
-        drive(t[0], [t[0].isend(1, 0, 5, SIG, view(frame))])
-        out = np.zeros(1000, np.uint8)
-        sent, received = t[1].swap(None, (0, 0, view(out)), 5, SIG, lend=True, scratch=False)
-        assert sent is None and received is not None and received.done
-        assert received.lent and b"".join(bytes(p) for _, p in received.lent) == frame.tobytes()
-        assert not out.any(), "a lent frame is read where it lies"
-        t[1].release(received)
-        assert t[1].links[(0, 0)].held is None
-    finally:
-        for transport in t:
-            transport.close()
+def test_swap_lends_a_frame_and_returns_its_receive_done(shm_pair: list) -> None:
+    t = shm_pair
+    frame = np.arange(1000, dtype=np.uint8)
+    drive(t[0], [t[0].isend(1, 0, 5, SIG, view(frame))])
+    out = np.zeros(1000, np.uint8)
+    sent, received = t[1].swap(None, (0, 0, view(out)), 5, SIG, lend=True, scratch=False)
+    assert sent is None and received is not None and received.done
+    assert received.lent and b"".join(bytes(p) for _, p in received.lent) == frame.tobytes()
+    assert not out.any(), "a lent frame is read where it lies"
+    t[1].release(received)
+    assert t[1].links[(0, 0)].held is None
 
 
-def test_swap_checks_a_frame_before_a_byte_lands_in_the_callers_memory() -> None:
-    from ringcore.transport.base import FrameMismatch
-    from tests.conformance.test_transport import drive, shm_mesh
-
-    t = shm_mesh(2, 1)
-    try:
-        drive(t[0], [t[0].isend(1, 0, 5, SIG, view(np.full(100, 7, np.uint8)))])
-        out = np.zeros(100, np.uint8)
-        with pytest.raises(FrameMismatch):
-            t[1].swap(None, (0, 0, view(out)), 6, SIG, scratch=False)
-        assert not out.any(), "the wrong frame left the caller's memory alone"
-    finally:
-        for transport in t:
-            transport.close()
+def test_swap_checks_a_frame_before_a_byte_lands_in_the_callers_memory(shm_pair: list) -> None:
+    t = shm_pair
+    drive(t[0], [t[0].isend(1, 0, 5, SIG, view(np.full(100, 7, np.uint8)))])
+    out = np.zeros(100, np.uint8)
+    with pytest.raises(FrameMismatch):
+        t[1].swap(None, (0, 0, view(out)), 6, SIG, scratch=False)
+    assert not out.any(), "the wrong frame left the caller's memory alone"
 
 
 def test_tcp_swap_refuses_a_receive_into_the_callers_memory() -> None:
-    from tests.conformance.test_transport import tcp_mesh
-
     t = tcp_mesh(2, 1)
     try:
         assert t[1].swap(None, (0, 0, view(np.zeros(10, np.uint8))), 5, SIG, scratch=False) is None
@@ -228,8 +220,6 @@ def _in_place_allreduce(transports: list, users: list[np.ndarray]) -> None:
 @pytest.mark.parametrize("size", [2, 4])
 def test_in_place_steps_over_shared_memory_take_the_latency_path_and_agree_with_posting(size: int) -> None:
     """Lent and caller-memory receives go through ``swap``; with it disabled, posted, the same bits."""
-    from tests.conformance.test_transport import shm_mesh
-
     rng = np.random.default_rng(size)
     inputs = [
         rng.standard_normal(1 << 16).astype(np.float32) for _ in range(size)
