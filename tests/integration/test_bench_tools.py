@@ -48,25 +48,25 @@ def test_variant_settings_refuse_what_the_transport_took_at_init(text: str) -> N
         variant_settings(Settings.from_env({}), text)
 
 
+def _ab_settings(size: str, *variants: str) -> subprocess.CompletedProcess[str]:
+    """``bench/ab_settings.py`` on 2 ranks, one short block per variant; it must succeed."""
+    script = [sys.executable, "bench/ab_settings.py", size, *variants, "--blocks", "1", "--iters", "3"]
+    proc = _run_bench([sys.executable, "-m", "ringcore.run", "-np", "2", *script])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
 @pytest.mark.timeout(120)
 def test_ab_settings_variants_reach_the_plans() -> None:
     """Each variant plans again under its own settings: 4 KiB runs as the small form only with SMALL_BYTES."""
-    script = [sys.executable, "bench/ab_settings.py", "4K", "SMALL_BYTES=0", "SMALL_BYTES=64K"]
-    proc = _run_bench(
-        [sys.executable, "-m", "ringcore.run", "-np", "2", *script, "--blocks", "1", "--iters", "3"]
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _ab_settings("4K", "SMALL_BYTES=0", "SMALL_BYTES=64K")
     forms = re.findall(r"SMALL_BYTES=(\w+) .* form (\S+)", proc.stdout)
     assert forms == [("0", "in_place"), ("64K", "small")], proc.stdout
 
 
 @pytest.mark.timeout(120)
 def test_ab_settings_checks_and_times_every_variant() -> None:
-    script = [sys.executable, "bench/ab_settings.py", "256K", "ATOMIC=1", "ATOMIC=0+SEGMENT_BYTES=64K"]
-    proc = _run_bench(
-        [sys.executable, "-m", "ringcore.run", "-np", "2", *script, "--blocks", "1", "--iters", "3"]
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _ab_settings("256K", "ATOMIC=1", "ATOMIC=0+SEGMENT_BYTES=64K")
     lines = [line for line in proc.stdout.splitlines() if "busbw" in line]
     assert len(lines) == 2 and "ATOMIC=1" in lines[0] and "SEGMENT_BYTES=64K" in lines[1], proc.stdout
 
