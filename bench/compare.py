@@ -4,6 +4,7 @@
     python bench/compare.py --np 2,4 --repeat 1
     python bench/compare.py --engines ringcore,gloo --sizes 1M,16M --np 2
     python bench/compare.py --show bench/out/compare-XXXX.json   # re-print tables
+    python bench/compare.py --engines ringcore,ringcore:SHM_SINGLE_COPY_BYTES=0,mpi-shm   # a setting beside peers
 
 The runs are interleaved (for each repeat, for each N, for each engine: the
 whole size sweep) so that the machine's noise hits every engine alike; the
@@ -23,6 +24,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -47,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--engines",
         default=",".join(engines.ENGINES),
-        help=f"comma list (default: all engines; floors only when named: {','.join(engines.FLOORS)})",
+        help=(
+            f"comma list (default: all engines; floors only when named: {','.join(engines.FLOORS)}; "
+            "ringcore:NAME=VALUE+... runs ringcore with RINGCORE_NAME=VALUE)"
+        ),
     )
     add("--out", type=Path, default=DEFAULT_OUT, help="output folder (default bench/out/)")
     add("--iters", type=int, default=20, help="timed iterations per size (default 20)")
@@ -68,12 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         print_tables(doc["results"], doc["meta"]["engines"], doc["meta"]["np"])
         return 0
     names = [e for e in args.engines.split(",") if e]
-    unknown = sorted(set(names) - set(engines.ENGINES + engines.FLOORS))
+    unknown = sorted(set(names) - set(engines.ENGINES + engines.FLOORS) - {n for n in names if ":" in n})
     if unknown:
         parser.error(
             f"unknown engine(s) {', '.join(unknown)}; use {', '.join(engines.ENGINES + engines.FLOORS)}"
+            " or ringcore:NAME=VALUE"
         )
     try:
+        for name in names:
+            if ":" in name and not engines.variant_env(name):
+                raise ValueError(f"engine {name!r}: only ringcore takes settings (ringcore:NAME=VALUE)")
         ns = [int(x) for x in args.np.split(",") if x]
         plan = engines.Plan(
             tuple(report.parse_size_list(args.sizes)),
@@ -108,7 +117,8 @@ def compare(args: argparse.Namespace, names: list[str], ns: list[int], plan: eng
         for n in ns:
             for name in names:
                 load = os.getloadavg()[0]
-                done = engines.run(name, n, plan, workdir, f"{name}-n{n}-r{rep}")
+                tag = re.sub(r"[^\w.=+-]", "_", name)
+                done = engines.run(name, n, plan, workdir, f"{tag}-n{n}-r{rep}")
                 results.append({**vars(done), "rep": rep, "loadavg_before": round(load, 2)})
                 print(progress_line(rep, args.repeat, done), flush=True)
                 if done.error:

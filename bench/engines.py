@@ -3,7 +3,9 @@
 Engines:
 
 - ``ringcore``: ``ringcore-bench --np N`` (self-launch through ``ringcore-run``),
-  rows read from its ``--json`` file.
+  rows read from its ``--json`` file. ``ringcore:NAME=VALUE+NAME=VALUE`` is the
+  same with ``RINGCORE_NAME=VALUE`` in its environment, so settings taken at
+  init (e.g. ``ringcore:SHM_SINGLE_COPY_BYTES=0``) run beside the peers too.
 - ``gloo``: torch.distributed's gloo backend on CPU tensors, store and pairs on
   loopback (:mod:`ringcore.bench.peers.gloo_worker`).
 - ``mpi-tcp``: OpenMPI forced onto TCP over loopback (``btl self,tcp``), the
@@ -91,6 +93,23 @@ class Run:
     error: str = ""
 
 
+def variant_env(engine: str) -> dict[str, str]:
+    """The ``RINGCORE_*`` variables of a ``ringcore:NAME=VALUE+...`` engine (``{}`` for any other).
+
+    Raises:
+        ValueError: a part is not ``NAME=VALUE``.
+    """
+    if not engine.startswith("ringcore:"):
+        return {}
+    env = {}
+    for part in engine.split(":", 1)[1].split("+"):
+        name, sep, value = part.partition("=")
+        if not sep or not name:
+            raise ValueError(f"engine {engine!r}: {part!r} is not NAME=VALUE (e.g. ringcore:SPIN_US=0)")
+        env[f"RINGCORE_{name.upper()}"] = value
+    return env
+
+
 def missing(engine: str) -> str:
     """Why ``engine`` cannot run here, or ``""`` when it can."""
     module, program = _NEEDS.get(engine, (None, None))
@@ -105,7 +124,7 @@ def command(engine: str, n: int, plan: Plan, json_path: Path) -> list[str]:
     """The argv that runs ``engine`` on ``n`` ranks over ``plan``'s sizes."""
     common = ["--sizes", ",".join(map(str, plan.sizes)), "--budget", str(plan.budget)]
     py = sys.executable
-    if engine == "ringcore":
+    if engine == "ringcore" or variant_env(engine):
         return [
             *[py, "-m", "ringcore.bench.cli", "--np", str(n), *common],
             *["-n", str(plan.iters), "-w", str(plan.warmup), "-c", "1", "--json", str(json_path)],
@@ -140,7 +159,7 @@ def run(engine: str, n: int, plan: Plan, workdir: Path, tag: str) -> Run:
         return Run(engine, n, 127, 0.0, [], str(log), why)
     json_path = workdir / f"{tag}.json"
     argv = command(engine, n, plan, json_path)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **variant_env(engine))
     t0 = time.monotonic()
     with open(log, "w") as err:
         err.write("$ " + " ".join(argv) + "\n")
@@ -151,7 +170,7 @@ def run(engine: str, n: int, plan: Plan, workdir: Path, tag: str) -> Run:
         stdout, rc = _wait(proc, plan.timeout_s)
         err.write(stdout)
     wall = time.monotonic() - t0
-    if engine == "ringcore":  # the JSON file comes at the end; the table has partial rows
+    if engine.startswith("ringcore"):  # the JSON file comes at the end; the table has partial rows
         rows = _read_json_file(json_path) or report.parse_table(stdout)
     else:
         rows = _read_json_lines(stdout)

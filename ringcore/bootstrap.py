@@ -285,7 +285,11 @@ def _open_shm(control: TcpTransport, settings: Settings) -> ShmTransport | TcpTr
 
     try:
         transport = shm_setup.connect(
-            control, settings.shm_bytes, settings.init_timeout, settings.shm_single_copy_bytes
+            control,
+            settings.shm_bytes,
+            settings.init_timeout,
+            settings.shm_single_copy_bytes,
+            settings.shm_cache_bytes,
         )
     except BaseException:
         control.close()

@@ -77,6 +77,9 @@ class Settings:
     # frames from this size to a local peer go as a pointer it copies with one process_vm_readv; 0: never.
     # 1 MiB: below it (data in cache) the two slot copies were faster (bench/HISTORY.md, "one copy for large frames")
     shm_single_copy_bytes: int = 1 * MIB
+    # ...but only in collectives whose buffers on the host (bytes x local ranks) exceed this; None: auto,
+    # the last-level cache (bench/HISTORY.md, "Pointers only past the cache"); 0: in every collective
+    shm_cache_bytes: int | None = None
     ib_device: str | None = None
     ib_port: int = 1
     ib_gid_index: int | None = None
@@ -126,6 +129,7 @@ class Settings:
             shm_single_copy_bytes=reader.size(
                 "RINGCORE_SHM_SINGLE_COPY_BYTES", cls.shm_single_copy_bytes, minimum=0
             ),
+            shm_cache_bytes=reader.size_or_auto("RINGCORE_SHM_CACHE_BYTES", minimum=0),
             ib_device=env.get("RINGCORE_IB_DEVICE") or None,
             ib_port=reader.int("RINGCORE_IB_PORT", cls.ib_port, minimum=1, maximum=255),
             ib_gid_index=reader.int("RINGCORE_IB_GID_INDEX", None, minimum=0, maximum=4095),

@@ -171,7 +171,8 @@ class Executor:
         self.saved.clear()
 
     def _run(self) -> None:
-        self.transport.expect(self.seq_bits >> 32, self.signature)
+        user = self.arrays[_USER]
+        self.transport.expect(self.seq_bits >> 32, self.signature, 0 if user is None else user.nbytes)
         watch = Watch(self.transport, self.timeout, self.interrupt, self.pending)
         while True:
             try:

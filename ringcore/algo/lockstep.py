@@ -148,15 +148,18 @@ def run_bound(
     signature: int,
     timeout: float,
     interrupt: Callable[[], str | None] | None = None,
+    nbytes: int = 0,
 ) -> None:
     """Run bound ``steps`` in order (see the module docstring); on failure, cancel and re-raise.
+
+    ``nbytes``: the caller's bytes the collective reduces (``Transport.expect``).
 
     Every step not posted early is offered to the transport's ``swap``, which
     says which receives it takes (TCP's: scratch only, see the module
     docstring); only receives into scratch memory take ``exchange``.
     """
     try:
-        transport.expect(seq_bits >> 32, signature)
+        transport.expect(seq_bits >> 32, signature, nbytes)
         swap = getattr(transport, "swap", None)  # a transport's latency path (TCP's, shared memory's)
         posted = (
             {index: _post_receive(transport, steps[index], seq_bits, signature) for index in early}
@@ -219,6 +222,7 @@ class LockstepExecutor:
         self.transport = transport
         self.program = compile_program(schedule, transport)
         self.arrays = arrays
+        self.user_bytes = arrays[Buf.USER].nbytes if Buf.USER in arrays else 0
         self.reducer = reducer
         self.seq_bits = (seq & 0xFFFFFFFF) << 32
         self.signature = signature
@@ -236,6 +240,7 @@ class LockstepExecutor:
             self.signature,
             self.timeout,
             self.interrupt,
+            self.user_bytes,
         )
 
 

@@ -175,7 +175,7 @@ class AllreducePlan:
         ctx, reducer = self.ctx, self.reducer
         try:
             reducer.convert(self._work, flat)
-            run_steps(ctx, self._steps, self._early, reducer, seq, self.signature)
+            run_steps(ctx, self._steps, self._early, reducer, seq, self.signature, 0, self.nbytes)
         except BaseException as err:
             ctx.fail(Descriptor("allreduce", seq, *self.fields), err)
         reducer.convert(flat, self._work)
@@ -191,7 +191,7 @@ class AllreducePlan:
             try:
                 try:
                     steps = lockstep.bind(program, arrays)
-                    run_steps(ctx, steps, program.early, self.reducer, seq, self.signature, part)
+                    run_steps(ctx, steps, program.early, self.reducer, seq, self.signature, part, self.nbytes)
                 except BaseException as err:
                     ctx.fail(Descriptor("allreduce", seq, *self.fields), err)
             except BaseException as err:

@@ -47,8 +47,12 @@ def run_steps(
     seq: int,
     signature: int,
     part: int = 0,
+    nbytes: int = 0,
 ) -> None:
-    """Run steps bound to arrays as schedule ``part`` of collective ``seq``, with the timeout and stall check."""
+    """Run steps bound to arrays as schedule ``part`` of collective ``seq``, with the timeout and stall check.
+
+    ``nbytes``: the caller's bytes the whole collective reduces (``Transport.expect``).
+    """
     assert ctx.transport is not None
     lockstep.run_bound(
         ctx.transport,
@@ -59,4 +63,5 @@ def run_steps(
         signature,
         ctx.settings.timeout,
         ctx.stall.interruption if ctx.stall is not None else None,
+        nbytes,
     )

@@ -104,8 +104,13 @@ class Transport(Protocol):
         """Post a receive of exactly ``view.nbytes`` bytes from ``peer`` into ``view``."""
         ...
 
-    def expect(self, seq: int, signature: int) -> None:
-        """Announce the running collective, so stray frames of it can be checked too."""
+    def expect(self, seq: int, signature: int, nbytes: int = 0) -> None:
+        """Announce the running collective, so stray frames of it can be checked too.
+
+        ``nbytes``: the bytes of the caller's buffer it reduces or moves (0:
+        unknown); a transport may choose how to move large frames by it
+        (shared memory: pointers only where the buffers outgrow the cache).
+        """
         ...
 
     def route(self, peer: int, segment: int) -> int:

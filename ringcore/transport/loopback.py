@@ -63,7 +63,7 @@ class LoopbackTransport:
         self.channels = network.channels
         self.current = (-1, 0)
 
-    def expect(self, seq: int, signature: int) -> None:
+    def expect(self, seq: int, signature: int, nbytes: int = 0) -> None:
         self.current = (seq & 0xFFFFFFFF, signature)
 
     def isend(self, peer: int, channel: int, tag: int, signature: int, view: memoryview) -> Request:

@@ -192,7 +192,7 @@ class RdmaTransport:
 
     # -- the Transport contract ---------------------------------------------------------------
 
-    def expect(self, seq: int, signature: int) -> None:
+    def expect(self, seq: int, signature: int, nbytes: int = 0) -> None:
         self.current = (seq & 0xFFFFFFFF, signature)
         self.control.expect(seq, signature)
         for link in self.links:  # announcements that arrived during the previous collective

@@ -43,7 +43,14 @@ straight into its posted view with one ``process_vm_readv``
 send done: the caller's bytes must not change before. One copy instead of
 two, made by the receiver alone, which leaves the sender's core free; below
 1 MiB the system call and its page pinning cost more than a second copy in
-cache (``bench/HISTORY.md``, "one copy for large frames"). A rank whose collective fails withdraws the pointers not
+cache (``bench/HISTORY.md``, "one copy for large frames"). Only in a
+collective whose buffers on this host (its bytes, from ``expect``, times this
+host's ranks) outgrow the last-level cache (``RINGCORE_SHM_CACHE_BYTES``,
+auto: the size the kernel reports): while they fit, the slots' two copies run
+in cache at two to three times ``process_vm_readv``'s 11-12 GB/s, which pins
+and copies page by page (N=2 4 MiB: 257 against 415 us per allreduce; N=4
+4 MiB: 1307 against 1692; out of cache the two are level or the pointer
+leads, ``bench/HISTORY.md``, "Pointers only past the cache"). A rank whose collective fails withdraws the pointers not
 yet released before anything else (``cancel``), and a receiver that finds
 its piece withdrawn after its copy discards it and raises the sender's
 reason (its ABORT, waited for up to ``WITHDRAWN_GRACE`` s) or
@@ -149,7 +156,8 @@ class _Link:
     pointer to this rank's bytes, which the peer copies with one
     ``process_vm_readv`` (0: never; the peer probed at set-up that it can).
     ``peer_pid``: the peer's pid, to copy the frames it points to (None: it
-    may not point).
+    may not point). ``pointing``: shared by the transport's links, whether the
+    running collective points at all (``ShmTransport.expect``).
     """
 
     __slots__ = (
@@ -163,6 +171,7 @@ class _Link:
         "peer",
         "peer_pid",
         "point_from",
+        "pointing",
         "recvs",
         "sends",
     )
@@ -177,6 +186,7 @@ class _Link:
         point_from: int = 0,
         peer_pid: int | None = None,
         copyable: cma.Copyable | None = None,
+        pointing: list[bool] | None = None,
     ) -> None:
         self.peer = peer
         self.channel = channel
@@ -186,6 +196,7 @@ class _Link:
         self.point_from = point_from
         self.peer_pid = peer_pid
         self.copyable = copyable or cma.Copyable()
+        self.pointing = pointing or [True]
         self.sends: deque[tuple[Request, int, int]] = deque()  # (request, signature, bytes written)
         self.recvs: deque[tuple[Request, int, int]] = deque()  # (request, signature, bytes read)
         self.awaiting: deque[tuple[Request, int]] = deque()  # sends pointed to, until their piece is released
@@ -204,6 +215,7 @@ class _Link:
                 done == 0
                 and self.point_from
                 and request.nbytes >= self.point_from
+                and self.pointing[0]
                 and self.copyable(request.view)
             ):
                 count = ring.point(
@@ -291,7 +303,7 @@ class _Link:
         ring, nbytes = self.outbound, view.nbytes
         if (
             nbytes > ring.slot_bytes
-            or (self.point_from and nbytes >= self.point_from)
+            or (self.point_from and nbytes >= self.point_from and self.pointing[0])
             or self.sends
             or not ring.room()
         ):
@@ -388,6 +400,8 @@ class ShmTransport:
         bells: ``peer -> fd`` of each local peer's doorbell, open for writing.
         point_from: ``peer -> bytes``: frames to the peer from this size go as pointers (absent: never).
         peer_pids: ``peer -> pid`` of the peers whose pointers this rank copies from.
+        cache_bytes: pointers only in collectives whose buffers on this host (the
+            caller's bytes times its ranks) exceed this (``expect``; 0: in every one).
     """
 
     def __init__(
@@ -399,6 +413,7 @@ class ShmTransport:
         bells: dict[int, int] | None = None,
         point_from: dict[int, int] | None = None,
         peer_pids: dict[int, int] | None = None,
+        cache_bytes: int = 0,
     ) -> None:
         self.rank = control.rank
         self.size = control.size
@@ -408,6 +423,8 @@ class ShmTransport:
         self.point_from = point_from or {}
         self.peer_pids = peer_pids or {}
         copyable = cma.Copyable()  # which of this rank's buffers peers may copy from
+        self.pointing = [True]  # whether the running collective points (expect), seen by every link
+        self.cache_bytes = cache_bytes
         self.links = {
             key: _Link(
                 key[0],
@@ -418,10 +435,12 @@ class ShmTransport:
                 self.point_from.get(key[0], 0),
                 self.peer_pids.get(key[0]),
                 copyable,
+                self.pointing,
             )
             for key, (out, into) in links.items()
         }
         self.local = sorted({peer for peer, _ in links})
+        self.host_ranks = len(self.local) + 1
         self.remote = len(self.local) < self.size - 1  # some peer is on another host
         self.segments = segments
         self.doorbell = doorbell
@@ -448,8 +467,13 @@ class ShmTransport:
 
     # -- the Transport contract ---------------------------------------------------------------
 
-    def expect(self, seq: int, signature: int) -> None:
+    def expect(self, seq: int, signature: int, nbytes: int = 0) -> None:
         """Start collective ``seq``: first, any news of the local peers on TCP (one ``poll``).
+
+        Its frames go as pointers (from ``point_from``) only where its buffers
+        on this host, ``nbytes`` times this host's ranks, outgrow
+        ``cache_bytes``, or where ``nbytes`` is not known ("Single copy" in the
+        module docstring).
 
         A collective over shared memory may never wait long enough to look at
         TCP, so without this a local peer that aborted, shut down or lost its
@@ -460,6 +484,7 @@ class ShmTransport:
         (``_check_idle``, 0.25 us per local peer), which every wait makes too.
         """
         self.current = (seq & 0xFFFFFFFF, signature)
+        self.pointing[0] = not nbytes or nbytes * self.host_ranks > self.cache_bytes
         if self.remote:  # early frames on TCP are data of peers on other hosts: TCP judges them
             self.control.expect(seq, signature)
         else:

@@ -29,6 +29,7 @@ readable only by the job's user.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -56,7 +57,11 @@ _LENGTH = struct.Struct("<H")
 
 
 def connect(
-    control: TcpTransport, shm_bytes: int, timeout: float, single_copy_bytes: int = 0
+    control: TcpTransport,
+    shm_bytes: int,
+    timeout: float,
+    single_copy_bytes: int = 0,
+    cache_bytes: int | None = 0,
 ) -> ShmTransport:
     """Find the peers on this host and connect to them through shared memory (module docstring).
 
@@ -66,6 +71,8 @@ def connect(
         timeout: seconds each round may wait for the peers (``RINGCORE_INIT_TIMEOUT``).
         single_copy_bytes: frames from this size go as pointers where the peer can read this
             rank's memory (``RINGCORE_SHM_SINGLE_COPY_BYTES``; 0: never).
+        cache_bytes: ...in collectives whose buffers on this host outgrow this
+            (``RINGCORE_SHM_CACHE_BYTES``; None: :func:`last_level_cache`; 0: in all).
 
     Raises:
         PeerFailure: a peer died during set-up.
@@ -120,7 +127,21 @@ def connect(
         peer: single_copy_bytes for peer in mapped if single_copy_bytes and answers[peer].get("reads")
     }
     peer_pids = {peer: int(theirs[peer]["memory"]["pid"]) for peer in mapped if offers[peer].get("reads")}
-    return _assemble(control, made, mapped, answers, done, links, ours, bells, point_from, peer_pids)
+    cache = last_level_cache() if cache_bytes is None else cache_bytes
+    return _assemble(control, made, mapped, answers, done, links, ours, bells, point_from, peer_pids, cache)
+
+
+def last_level_cache(cpu: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Bytes of this host's largest CPU cache, as the kernel reports it (0: not known)."""
+    sizes = [0]
+    with contextlib.suppress(OSError):
+        for index in os.listdir(cpu):
+            with contextlib.suppress(OSError, ValueError):
+                with open(os.path.join(cpu, index, "size")) as file:
+                    text = file.read().strip().upper()
+                scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+                sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes)
 
 
 def _assemble(
@@ -134,6 +155,7 @@ def _assemble(
     bells: dict[int, int],
     point_from: dict[int, int],
     peer_pids: dict[int, int],
+    cache_bytes: int,
 ) -> ShmTransport:
     """The transport over the pairs where both sides mapped; the other segments and doorbells are dropped."""
     rings: dict[tuple[int, int], tuple[Ring, Ring]] = {}
@@ -159,7 +181,7 @@ def _assemble(
     elif doorbell is not None:
         doorbell.close()
         doorbell = None
-    return ShmTransport(control, rings, kept, doorbell, bells, point_from, peer_pids)
+    return ShmTransport(control, rings, kept, doorbell, bells, point_from, peer_pids, cache_bytes)
 
 
 def _count(links: list[tuple[int, int]], peer: int) -> int:

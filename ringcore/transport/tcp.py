@@ -83,7 +83,7 @@ class TcpTransport:
         self.current = (-1, 0)  # (seq, signature) of the running collective
         self.spin = 0.0  # seconds to busy-poll before sleeping in poll (Settings.spin_seconds)
 
-    def expect(self, seq: int, signature: int) -> None:
+    def expect(self, seq: int, signature: int, nbytes: int = 0) -> None:
         """Start collective ``seq``; a frame that arrived early may already show a disagreement."""
         self.current = (seq & 0xFFFFFFFF, signature)
         for conn in self.conns.values():

@@ -84,17 +84,22 @@ def rdma_fake_mesh(size: int, channels: int, fabric: FakeFabric | None = None, d
     return transports
 
 
-def shm_mesh(size: int, channels: int, shm_bytes: int = 64 << 10, single_copy_bytes: int = 0) -> list:
+def shm_mesh(
+    size: int, channels: int, shm_bytes: int = 64 << 10, single_copy_bytes: int = 0, cache_bytes: int = 0
+) -> list:
     """Shared memory between ranks of this process (threads), over a TCP mesh of the same ranks.
 
     64 KiB per pair (the least RINGCORE_SHM_BYTES allows): 3 slots of 16 KiB, so large frames
     go in many pieces around the ring and the writer often waits for a slot.
-    ``single_copy_bytes``: frames from this size go as pointers (``RINGCORE_SHM_SINGLE_COPY_BYTES``).
+    ``single_copy_bytes``: frames from this size go as pointers (``RINGCORE_SHM_SINGLE_COPY_BYTES``),
+    in collectives whose buffers outgrow ``cache_bytes`` (``RINGCORE_SHM_CACHE_BYTES``).
     """
     controls = tcp_mesh(size, channels)
     made = in_parallel(
         *[
-            lambda rank=rank: shm_setup.connect(controls[rank], shm_bytes, 20.0, single_copy_bytes)
+            lambda rank=rank: shm_setup.connect(
+                controls[rank], shm_bytes, 20.0, single_copy_bytes, cache_bytes
+            )
             for rank in range(size)
         ]
     )

@@ -203,7 +203,7 @@ def test_single_copy_and_slots_give_the_same_bits() -> None:
     inputs = [rng.standard_normal(700_001).astype(np.float32) for _ in range(size)]
     got = {}
     for single_copy in ("0", "4K"):
-        env = {**SHM, "RINGCORE_SHM_SINGLE_COPY_BYTES": single_copy}
+        env = {**SHM, "RINGCORE_SHM_SINGLE_COPY_BYTES": single_copy, "RINGCORE_SHM_CACHE_BYTES": "0"}
         with Cluster(size, env=env, timeout=120) as cluster:
             reports = cluster.results(shm_peers)
             assert all(bool(r["single_copy"]) == (single_copy != "0") for r in reports), reports
@@ -217,3 +217,46 @@ def test_single_copy_and_slots_give_the_same_bits() -> None:
     for a, b in zip(got["0"][0] + got["0"][1], got["4K"][0] + got["4K"][1], strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     assert all(np.asarray(x).tobytes() == inputs[1].tobytes() for x in got["4K"][1])
+
+
+def pointed_by_cache(comm: object, inputs: list[np.ndarray], caches: list[int]) -> list[tuple[int, object]]:
+    """Per cache size: the frames this rank pointed to in an allreduce of ``inputs``, and its result."""
+    from ringcore.transport import shm_ring
+
+    transport = comm.transport  # type: ignore[attr-defined]
+    real = shm_ring.Ring.point
+    pointed = [0]
+
+    def counted(ring: shm_ring.Ring, *args: int) -> int:
+        pointed[0] += 1
+        return real(ring, *args)
+
+    shm_ring.Ring.point = counted  # type: ignore[method-assign]
+    try:
+        out = []
+        for cache in caches:
+            transport.cache_bytes, pointed[0] = cache, 0
+            result = comm.allreduce(inputs[comm.rank].copy())  # type: ignore[attr-defined]
+            out.append((pointed[0], result))
+        return out
+    finally:
+        shm_ring.Ring.point = real  # type: ignore[method-assign]
+
+
+@pytest.mark.timeout(180)
+def test_frames_go_as_pointers_only_where_the_buffers_outgrow_the_cache() -> None:
+    """Every allreduce route hands the transport its bytes: 3 ranks x 2.8 MB point past 8 MB, not below."""
+    size, count = 3, 700_001
+    rng = np.random.default_rng(11)
+    inputs = [rng.standard_normal(count).astype(np.float32) for _ in range(size)]
+    caches = [16 << 20, 8 << 20, 0, 9 << 20]  # 3 x 2_800_004 bytes: above 8 MiB, below 9 MiB
+    env = {**SHM, "RINGCORE_SHM_SINGLE_COPY_BYTES": "4K"}
+    for extra in ({}, {"RINGCORE_ATOMIC": "1"}):  # in place (lockstep), then the pipelined executor
+        with Cluster(size, env={**env, **extra}, timeout=120) as cluster:
+            reports = cluster.results(pointed_by_cache, inputs, caches, timeout=120)
+        for rank, report in enumerate(reports):
+            counts = [pointed for pointed, _ in report]
+            assert counts[0] == counts[3] == 0 and counts[1] > 0 and counts[2] > 0, (extra, rank, counts)
+            for _, result in report:
+                check_allreduce(result, inputs, "sum", where=f"rank {rank} {extra}:")
+                assert np.asarray(result).tobytes() == np.asarray(report[0][1]).tobytes()

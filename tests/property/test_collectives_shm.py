@@ -35,5 +35,6 @@ def live(request: pytest.FixtureRequest) -> Any:
     cluster.env = {**cluster.env, **SHM}
     if request.param == "ring3":  # frames of 256 bytes and up as pointers, copied with process_vm_readv
         cluster.env["RINGCORE_SHM_SINGLE_COPY_BYTES"] = "256"
+        cluster.env["RINGCORE_SHM_CACHE_BYTES"] = "0"  # in collectives of every size
     yield cluster
     cluster.close()

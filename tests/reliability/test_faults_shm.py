@@ -45,7 +45,11 @@ def ours() -> set[str]:
 def test_fault_over_shm(
     kind: str, phase: str, size: int, single_copy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    env = {"RINGCORE_TRANSPORT": "shm", "RINGCORE_SHM_SINGLE_COPY_BYTES": single_copy}
+    env = {
+        "RINGCORE_TRANSPORT": "shm",
+        "RINGCORE_SHM_SINGLE_COPY_BYTES": single_copy,
+        "RINGCORE_SHM_CACHE_BYTES": "0",
+    }
     monkeypatch.setattr(faults, "ENV", {**faults.ENV, **env})
     before = ours()
     faults.test_fault(kind, phase, size, tmp_path)

@@ -6,6 +6,7 @@ import mmap
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -231,3 +232,40 @@ def test_a_frame_from_memory_peers_cannot_copy_goes_through_the_slots() -> None:
     assert send.done and not writer.awaiting, "in a slot: done at once"
     reader.pull()
     np.testing.assert_array_equal(out, frame)
+
+
+def test_pointers_only_in_collectives_whose_buffers_outgrow_the_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``expect``'s bytes times the host's ranks against ``cache_bytes``: slots below, pointers above."""
+    pointed = []
+    real = Ring.point
+    monkeypatch.setattr(Ring, "point", lambda ring, *args: pointed.append(args[4]) or real(ring, *args))
+    t = shm_mesh(2, 1, single_copy_bytes=1024, cache_bytes=8 << 20)
+    try:
+        frame = np.arange(4096, dtype=np.uint8)
+        for seq, (nbytes, points) in enumerate(
+            [(4 << 20, False), (4 << 20 | 1, True), (0, True), (64, False)]
+        ):
+            pointed.clear()
+            for transport in t:
+                transport.expect(seq, SIG, nbytes)
+            out = np.zeros_like(frame)
+            send, recv = t[0].isend(1, 0, 5, SIG, view(frame)), t[1].irecv(0, 0, 5, SIG, view(out))
+            in_parallel(lambda: drive(t[0], [send]), lambda: drive(t[1], [recv]))  # noqa: B023 (run here)
+            np.testing.assert_array_equal(out, frame)
+            assert pointed == ([4096] if points else []), f"{nbytes} bytes on 2 ranks against 8 MiB of cache"
+    finally:
+        for transport in t:
+            transport.close()
+
+
+def test_the_last_level_cache_is_the_largest_the_kernel_reports(tmp_path: Path) -> None:
+    from ringcore.transport.shm_setup import last_level_cache
+
+    for index, size in enumerate(["32K", "1024K", "32768K", "garbage"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    (tmp_path / "uevent").write_text("")
+    assert last_level_cache(str(tmp_path)) == 32 << 20
+    assert last_level_cache(str(tmp_path / "missing")) == 0
