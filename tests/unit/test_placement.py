@@ -48,14 +48,20 @@ def test_describe_me_reports_this_process() -> None:
 
 
 def test_the_ring_is_tuned_alike_on_every_rank_from_the_placement() -> None:
-    """Cache slices on one uncrowded host over TCP; 2 MiB segments on every other TCP ring."""
+    """Cache slices on one host over TCP with a CPU per rank, over shared memory crowded too; else 2 MiB segments."""
     uncrowded = [record("a", [0]), record("a", [1])]
     crowded = [record("a", [0, 1]) for _ in range(3)]
     cluster = [record("n", [0, 1], local_size=1) for _ in range(4)]  # netns hosts share a host name
-    for records, slices, wide in ((uncrowded, True, False), (crowded, False, True), (cluster, False, True)):
+    cases = ((uncrowded, True, True), (crowded, False, True), (cluster, False, False))
+    for records, tcp_slices, shm_slices in cases:
         for rank in range(len(records)):
             where = place(rank, records)
-            assert (where.cache_slices(tcp=True), where.wide_segments(tcp=True)) == (slices, wide)
+            assert (where.cache_slices(tcp=True), where.wide_segments(tcp=True)) == (
+                tcp_slices,
+                not tcp_slices,
+            )
+            shm = (where.cache_slices(tcp=True, shm=True), where.wide_segments(tcp=True, shm=True))
+            assert shm == (shm_slices, not shm_slices)
             assert not where.cache_slices(tcp=False) and not where.wide_segments(tcp=False)  # RDMA
 
 
