@@ -152,7 +152,7 @@ class Settings:
         """Bytes per pipelined segment: ``RINGCORE_SEGMENT_BYTES`` when set.
 
         Auto, for the uncompressed allreduce ring over TCP:
-        - ``whole_chunk`` (one host, a CPU per rank: cache-sized slices, see
+        - ``whole_chunk`` (one host, cache-sized slices, see
           ``allreduce_slice_bytes``): 1 MiB, a rank's whole chunk of a slice,
           so every slice is a one-segment ring, which runs in lockstep
           (``algo.lockstep``) instead of a pipeline of two 512 KiB segments:
@@ -180,8 +180,9 @@ class Settings:
     def allreduce_slice_bytes(self, size: int, cache_sized: bool) -> int:
         """Wire bytes per slice of an allreduce: ``RINGCORE_SLICE_BYTES`` when set.
 
-        Auto: 48 MiB, a bound on scratch memory; but with ``cache_sized`` (TCP,
-        every rank on one host, a CPU for each) ``size`` MiB, so each rank's
+        Auto: 48 MiB, a bound on scratch memory; but with ``cache_sized`` (every
+        rank on one host: over TCP with a CPU for each, over shared memory
+        crowded too, ``Placement.cache_slices``) ``size`` MiB, so each rank's
         chunk of a slice (one 1 MiB segment, see ``segment_size``) is still in
         cache when the kernel copies it out, when it is reduced and when it is
         sent on: the kernel's copies, most of an allreduce's CPU, then run
