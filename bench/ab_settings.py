@@ -72,6 +72,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=0, help="allreduces per block (default: ~1 GiB)")
     parser.add_argument("--blocks", type=int, default=5)
     args = parser.parse_args()
+    for text in args.variants:
+        if not all("=" in part for part in text.split("+")):
+            parser.error(f"variant {text!r} is not NAME=VALUE[+NAME=VALUE] (one size per job: run it again)")
     comm = ringcore.init()
     count = parse_size(args.size) // 4
     iters = args.iters or max(3, (1 << 30) // max(1, count * 4))
