@@ -150,14 +150,25 @@ def test_slices_stay_as_set() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_crowded_host_keeps_the_scratch_budget() -> None:
-    """More ranks than CPUs: each slice boundary would wait for descheduled ranks."""
+def test_a_crowded_host_keeps_the_scratch_budget_over_tcp() -> None:
+    """More ranks than CPUs over TCP: each slice boundary would wait on sockets for descheduled ranks."""
     if len(os.sched_getaffinity(0)) >= 3:
         pytest.skip("needs fewer than 3 CPUs to crowd 3 ranks")
-    with Cluster(3) as cluster:
+    with Cluster(3, env={"RINGCORE_TRANSPORT": "tcp"}) as cluster:
         assert [size for size, _ in cluster.results(slice_sizes)] == [SCRATCH_SLICE_BYTES] * 3
         assert cluster.results(ring_segment_bytes) == [2 * MIB] * 3  # larger segments: fewer wake-ups
         assert cluster.results(ring_segment_bytes, False) == [512 * 1024] * 3  # compressed: casts overlap
+
+
+@pytest.mark.timeout(60)
+def test_a_crowded_host_slices_for_the_cache_over_shared_memory() -> None:
+    """Over shared memory a slice boundary waits on the slots: N MiB slices, one 1 MiB segment per rank."""
+    if len(os.sched_getaffinity(0)) >= 3:
+        pytest.skip("needs fewer than 3 CPUs to crowd 3 ranks")
+    with Cluster(3, env={"RINGCORE_TRANSPORT": "shm"}) as cluster:
+        assert [size for size, _ in cluster.results(slice_sizes)] == [3 * MIB] * 3
+        assert cluster.results(ring_segment_bytes) == [MIB] * 3
+        assert cluster.results(slice_segments) == [1] * 3
 
 
 def slice_segments(comm: Any) -> int:

@@ -101,7 +101,7 @@ def test_ring_reuses_a_slot_only_once_released() -> None:
     assert reader.peek() == (7, SIG, 2 * slot_bytes, 0, slot_bytes, 0)
     reader.take(memoryview(out), slot_bytes)
     assert out == bytes([0]) * slot_bytes and writer.room()
-    assert shm_ring.layout(4 << 20, 1) == (4 << 20, 15, 256 << 10)  # RINGCORE_SHM_BYTES' default
+    assert shm_ring.layout(4 << 20, 1) == (4 << 20, 7, 512 << 10)  # RINGCORE_SHM_BYTES' default
     assert shm_ring.layout(64 << 10, 1) == (64 << 10, 3, 16 << 10)  # its minimum
 
 
