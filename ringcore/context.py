@@ -223,7 +223,8 @@ class Context:
             culprit = int(reason.get("culprit", err.peer))
             self._abort(reason)
             if reason.get("kind") == "timeout":
-                return CollectiveTimeout(f"{where}: rank {err.peer} gave up: {reason.get('message')}")
+                mine = f"; rank {self.rank} itself had been {err.waiting}" if err.waiting else ""
+                return CollectiveTimeout(f"{where}: rank {err.peer} gave up: {reason.get('message')}{mine}")
             host = self.transport.peer_name(culprit) if self.transport else ""
             return PeerFailure(f"{where}: {reason.get('message', 'peer aborted')}", culprit, host)
         if isinstance(err, PeerFailure):

@@ -13,7 +13,11 @@ whenever it has nothing left to post. The rules, once for all of them:
   ``PeerFailure``: its peers timed out on it and closed, so the peer whose
   connection is gone is not the cause;
 - stall: ``interrupt`` (the stall inspector's, ``RINGCORE_STALL_SHUTDOWN``) is
-  polled while idle; a message it returns fails the run with that message.
+  polled while idle; a message it returns fails the run with that message;
+- a peer's ABORT carries what this rank itself was waiting for, and for how
+  long (``PeerAborted.waiting``): when a peer gives up on a chain of waits
+  (rank 0 on rank 2, which waits on a stopped rank 1), rank 2's error then
+  names rank 1 too.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from ringcore.errors import CollectiveTimeout, PeerFailure
-from ringcore.transport.base import Transport
+from ringcore.transport.base import PeerAborted, Transport
 
 
 class Watch:
@@ -62,6 +66,9 @@ class Watch:
             moved = self.transport.progress(wait)
         except PeerFailure as err:
             self.fail(err)
+        except PeerAborted as err:
+            err.waiting = f"{self.pending()} for {time.monotonic() - self.last_moved:.1f} s"
+            raise
         if busy or moved:
             self.last_moved = time.monotonic()
         elif time.monotonic() - self.last_moved > self.timeout:

@@ -81,12 +81,17 @@ def check_frame(
 
 
 class PeerAborted(RingcoreError):
-    """The peer sent an ABORT frame; ``reason`` is its decoded explanation."""
+    """The peer sent an ABORT frame; ``reason`` is its decoded explanation.
+
+    ``waiting``: what this rank was itself waiting for when the ABORT came,
+    and for how long (set by the executors' wait loop; "" if unknown).
+    """
 
     def __init__(self, peer: int, reason: dict[str, Any]) -> None:
         super().__init__(f"rank {peer} aborted: {reason.get('message', reason)}")
         self.peer = peer
         self.reason = reason
+        self.waiting = ""
 
 
 class Transport(Protocol):

@@ -33,10 +33,28 @@ def exposed_range(err: BaseException) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
+def done_upto(err: BaseException) -> int:
+    """How many leading elements a failed sliced allreduce's note says already hold the result."""
+    import re
+
+    notes = " ".join(getattr(err, "__notes__", []))
+    match = re.search(r"elements \[0, (\d+)\) of \d+ already hold the result", notes)
+    return int(match.group(1)) if match else 0
+
+
 def untouched_except_noted(buf: np.ndarray, original: np.ndarray, err: BaseException) -> bool:
-    """Whether a failed allreduce kept the caller's values everywhere its note does not name."""
-    start, end = exposed_range(err) or (0, 0)
-    return bool(np.array_equal(buf[:start], original[:start]) and np.array_equal(buf[end:], original[end:]))
+    """Whether a failed allreduce kept the caller's values everywhere its notes do not name.
+
+    The notes name the slices already reduced (``[0, done)``) and the
+    elements the failed slice may have written; everything else must be as it was.
+    """
+    done = done_upto(err)
+    start, end = exposed_range(err) or (done, done)
+    if done and start != done:
+        return False  # the failed slice starts where the finished ones end
+    return bool(
+        np.array_equal(buf[done:start], original[done:start]) and np.array_equal(buf[end:], original[end:])
+    )
 
 
 def mismatch_then_retry(
