@@ -90,7 +90,7 @@ SLOT_HEADER_BYTES = 64
 HEADER_FIELDS = 7  # ready, tag, signature, nbytes, offset, length, address
 _FIELDS = struct.Struct("=6Q")  # a header after its ready word
 MAX_SLOTS = 16
-MAX_SLOT_BYTES = 512 * 1024
+MAX_SLOT_BYTES = 512 * 1024  # a 512 KiB frame in one piece (bench/HISTORY.md, "512 KiB slots")
 
 
 _FENCE = threading.Lock()
