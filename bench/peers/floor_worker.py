@@ -220,11 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cma.available():
         print("floor_worker: process_vm_readv is not available on this platform", file=sys.stderr)
         return 2
-    peer = FloorPeer(args.engine)
-    try:
-        return loop.run(peer, args)
-    finally:
-        peer.close()
+    return loop.run(FloorPeer(args.engine), args)
 
 
 if __name__ == "__main__":

@@ -109,11 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rank is None:
         return launch(args, argv)
-    peer = GlooPeer(args.rank, args.np, args.addr, args.port, args.pg_timeout)
-    try:
-        return loop.run(peer, args)
-    finally:
-        peer.close()
+    return loop.run(GlooPeer(args.rank, args.np, args.addr, args.port, args.pg_timeout), args)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(peer: Peer, args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    """Measure every size of ``args.sizes``; return 1 when any result was wrong."""
+    """Measure every size of ``args.sizes``, then close ``peer`` (if it has ``close``); 1 when any result was wrong."""
+    try:
+        return _measure(peer, args, out)
+    finally:
+        close = getattr(peer, "close", None)
+        if close is not None:
+            close()
+
+
+def _measure(peer: Peer, args: argparse.Namespace, out: TextIO) -> int:
     budget = report.parse_size(args.budget)
     bad = 0
     for nbytes in report.parse_size_list(args.sizes):
