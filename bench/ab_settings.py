@@ -28,7 +28,8 @@ import numpy as np
 
 import ringcore
 from ringcore.bench.report import parse_size
-from ringcore.config import Settings
+from ringcore.config import Settings, assignments
+from ringcore.errors import ConfigError
 
 # The settings plans and executors read at every collective; the rest are taken at init.
 PER_COLLECTIVE = frozenset(
@@ -40,10 +41,10 @@ def variant_settings(base: Settings, text: str) -> Settings:
     """``base`` with the ``RINGCORE_*`` variables of ``text`` (``NAME=VALUE+NAME=VALUE``) applied.
 
     Raises:
+        ConfigError: ``text`` is not ``NAME=VALUE+...`` of known settings (:func:`assignments`).
         SystemExit: a variable names a setting taken at init, which a running job cannot change.
     """
-    env = {f"RINGCORE_{k}": v for k, v in (part.split("=", 1) for part in text.split("+"))}
-    parsed = Settings.from_env(env)
+    parsed = Settings.from_env(assignments(text))
     defaults = Settings.from_env({})
     changed = {
         f.name: getattr(parsed, f.name)
@@ -73,8 +74,10 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=5)
     args = parser.parse_args()
     for text in args.variants:
-        if not all("=" in part for part in text.split("+")):
-            parser.error(f"variant {text!r} is not NAME=VALUE[+NAME=VALUE] (one size per job: run it again)")
+        try:
+            assignments(text)
+        except ConfigError as err:
+            parser.error(f"variant {err} (one size per job: run it again for another)")
     comm = ringcore.init()
     count = parse_size(args.size) // 4
     iters = args.iters or max(3, (1 << 30) // max(1, count * 4))

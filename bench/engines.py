@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ringcore.bench import report
+from ringcore.config import assignments
 
 ENGINES = ("ringcore", "gloo", "mpi-tcp", "mpi-shm")
 FLOORS = ("floor-cma", "floor-shm", "floor-mix", "floor-ring")  # run when named (--engines), never by default
@@ -97,17 +98,11 @@ def variant_env(engine: str) -> dict[str, str]:
     """The ``RINGCORE_*`` variables of a ``ringcore:NAME=VALUE+...`` engine (``{}`` for any other).
 
     Raises:
-        ValueError: a part is not ``NAME=VALUE``.
+        ConfigError: (a ValueError) see :func:`ringcore.config.assignments`.
     """
     if not engine.startswith("ringcore:"):
         return {}
-    env = {}
-    for part in engine.split(":", 1)[1].split("+"):
-        name, sep, value = part.partition("=")
-        if not sep or not name:
-            raise ValueError(f"engine {engine!r}: {part!r} is not NAME=VALUE (e.g. ringcore:SPIN_US=0)")
-        env[f"RINGCORE_{name.upper()}"] = value
-    return env
+    return assignments(engine.split(":", 1)[1])
 
 
 def missing(engine: str) -> str:

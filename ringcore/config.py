@@ -202,6 +202,30 @@ class Settings:
         return f"Settings({fields})"
 
 
+def assignments(text: str) -> dict[str, str]:
+    """The ``RINGCORE_*`` variables ``NAME=VALUE+NAME=VALUE`` sets (names without the prefix), checked.
+
+    For the tools that compare settings side by side (``bench/compare.py``'s
+    ``ringcore:...`` engines, ``bench/ab_settings.py``): a misspelt name would
+    otherwise measure the defaults under another label.
+
+    Raises:
+        ConfigError: a part is not ``NAME=VALUE``, names no setting, or holds a value it refuses.
+    """
+    known = {field.name.upper() for field in dataclasses.fields(Settings)}
+    env = {}
+    for part in text.split("+"):
+        name, sep, value = part.partition("=")
+        name = name.strip().upper()
+        if not sep or not name:
+            raise ConfigError(f"{part!r} in {text!r} is not NAME=VALUE (e.g. SPIN_US=0)")
+        if name not in known:
+            raise ConfigError(f"{part!r} in {text!r}: there is no setting RINGCORE_{name}")
+        env[f"RINGCORE_{name}"] = value
+    Settings.from_env(env)  # each value as init would read it
+    return env
+
+
 AUTO_SPIN_US = 200
 SEGMENT_BYTES = 512 * KIB
 WIDE_SEGMENT_BYTES = 2 * MIB

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ringcore.bench import cli, data, report, summary
+from ringcore.bench import cli, data, engines, report, summary
 
 K, M = 1 << 10, 1 << 20
 
@@ -387,3 +388,15 @@ def test_expected_in_bfloat16(test: str, op: str) -> None:
     dt = report.numpy_dtype("bfloat16")
     for rank, got in enumerate(_simulate(test, op, dt, 4, 32, root=1)):
         assert data.count_wrong(got, data.expected(test, rank, 4, 32, op, dt, 1), op) == 0
+
+
+def test_a_ringcore_engine_with_settings_runs_ringcore_bench_with_them(tmp_path: Path) -> None:
+    plan = engines.Plan((4096,), 3, 1, 0, 10.0)
+    variant = "ringcore:SHM_CACHE_BYTES=0+SPIN_US=0"
+    assert engines.variant_env(variant) == {"RINGCORE_SHM_CACHE_BYTES": "0", "RINGCORE_SPIN_US": "0"}
+    assert engines.command(variant, 2, plan, tmp_path / "x.json") == engines.command(
+        "ringcore", 2, plan, tmp_path / "x.json"
+    )
+    assert engines.variant_env("ringcore") == {} and engines.variant_env("gloo") == {}
+    with pytest.raises(ValueError, match="no setting"):
+        engines.variant_env("ringcore:SHM_CACHE_BYTE=0")

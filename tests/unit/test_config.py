@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringcore.config import AUTO_SPIN_US, KIB, MIB, SCRATCH_SLICE_BYTES, Settings, parse_size
+from ringcore.config import AUTO_SPIN_US, KIB, MIB, SCRATCH_SLICE_BYTES, Settings, assignments, parse_size
 from ringcore.errors import ConfigError
 
 
@@ -150,3 +150,17 @@ def test_allreduce_slices_are_cache_sized_only_on_an_uncrowded_host_unless_set()
     assert auto.scratch_slice_bytes() == SCRATCH_SLICE_BYTES
     fixed = Settings.from_env({"RINGCORE_SLICE_BYTES": "16M"})
     assert fixed.allreduce_slice_bytes(2, cache_sized=True) == 16 * MIB == fixed.scratch_slice_bytes()
+
+
+def test_assignments_name_known_settings_with_values_init_accepts() -> None:
+    """What the comparison tools run as a variant: a misspelt name must not measure the defaults."""
+    assert assignments("SHM_CACHE_BYTES=0+spin_us=auto") == {
+        "RINGCORE_SHM_CACHE_BYTES": "0",
+        "RINGCORE_SPIN_US": "auto",
+    }
+    with pytest.raises(ConfigError, match="not NAME=VALUE"):
+        assignments("16M")
+    with pytest.raises(ConfigError, match="no setting RINGCORE_SHM_CACHE_BYTE"):
+        assignments("SHM_CACHE_BYTE=0")
+    with pytest.raises(ConfigError, match="RINGCORE_SPIN_US='x'"):
+        assignments("SPIN_US=x")
