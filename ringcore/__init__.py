@@ -13,6 +13,7 @@ Which file does what, top down (imports run one way):
 - :mod:`ringcore.plans`: one plan per collective; the allreduce plan cache.
   :mod:`~ringcore.slicing`: slices and the allreduce's schedule choice, shared with
   :mod:`ringcore.device` (GPU buffers).
+- :mod:`~ringcore.symmetric`: arrays every rank of a one-host job maps (``ringcore.empty``).
 - :mod:`~ringcore.context`: what plans run with (transport, scratch, reducers; ``execute``, ``fail``).
 - :mod:`ringcore.algo`: schedules, their compiled programs, the executors.
 - :mod:`ringcore.transport`, :mod:`ringcore.kernels`: moving and reducing bytes.
@@ -31,6 +32,7 @@ from ringcore.api import (
     broadcast,
     broadcast_async,
     communicator,
+    empty,
     init,
     is_initialized,
     local_rank,
@@ -75,6 +77,7 @@ __all__ = [
     "broadcast",
     "broadcast_async",
     "communicator",
+    "empty",
     "init",
     "is_initialized",
     "local_rank",

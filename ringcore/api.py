@@ -164,6 +164,24 @@ def reduce_scatter(x: Any, op: Any = "sum", compression: Any = None, name: str |
     return communicator().reduce_scatter(x, op=op, compression=compression, name=name)
 
 
+def empty(shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+    """A new, uninitialised numpy array in symmetric memory: a collective, for the fastest allreduce on one host.
+
+    Every rank calls it in the same order with the same shape and dtype. When
+    every rank of the job runs on this host, each maps the others' arrays, and
+    an allreduce of the array (or of one contiguous view of it, the same on
+    every rank) reads the peers' memory directly instead of moving frames:
+    one pass over this rank's share and one copy of the rest (N=2, 16 MiB:
+    about twice the busbw of the shared-memory ring, ``bench/RESULTS.md``).
+    Elsewhere it is an ordinary array. See :mod:`ringcore.symmetric`.
+
+    >>> grads = ringcore.empty(1 << 20)              # float32, on every rank
+    >>> grads[...] = local_gradients
+    >>> ringcore.allreduce(grads)
+    """
+    return communicator().empty(shape, dtype)
+
+
 def barrier() -> None:
     """See :meth:`Communicator.barrier`."""
     communicator().barrier()

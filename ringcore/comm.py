@@ -47,6 +47,7 @@ from ringcore.plans.base import Plan
 from ringcore.plans.cache import PlanCache
 from ringcore.stall import Progress, StallInspector
 from ringcore.store import StoreClient, StoreServer
+from ringcore.symmetric import SymmetricMemory
 from ringcore.timeline import Timeline, rank_path
 from ringcore.transport.base import Transport
 
@@ -175,6 +176,8 @@ class Communicator:
             grid,
         )
         self._barrier = BarrierPlan(self.ctx)
+        self.symmetric = SymmetricMemory(rank, size, shared=size > 1 and local_size == size)
+        self.ctx.symmetric = self.symmetric
 
     @property
     def allreduce_slice_bytes(self) -> int:
@@ -273,6 +276,22 @@ class Communicator:
         """Return once every rank has entered the barrier."""
         self._run(self._barrier, None, None)
 
+    def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+        """A new, uninitialised numpy array in symmetric memory; a collective (see ``ringcore.empty``)."""
+        shape = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
+        if not all(isinstance(n, int | np.integer) and not isinstance(n, bool) for n in shape):
+            raise TypeError(f"ringcore.empty: shape must be an int or a tuple of ints, got {shape!r}")
+        if any(n < 0 for n in shape):
+            raise ValueError(f"ringcore.empty: negative dimension in shape {shape}")
+        dt = np.dtype(dtype)
+        if dt.hasobject:
+            raise TypeError(f"ringcore.empty: dtype {dt} holds Python objects, not bytes")
+
+        def agree(ok: bool) -> bool:
+            return bool(self.allreduce(np.array([int(ok)], np.int32), op="min")[0])
+
+        return self.symmetric.empty(tuple(int(n) for n in shape), dt, self.allgather, agree)
+
     def shutdown(self) -> None:
         """Finish queued async work, say goodbye to peers and close everything; idempotent."""
         with self._cond:
@@ -294,6 +313,7 @@ class Communicator:
         if self.server is not None:
             self.server.retire()  # serves until every rank has left: see ringcore.store
         self.clear_plan_cache()
+        self.symmetric.close()
         self.ctx.release()
 
     def __enter__(self) -> Communicator:

@@ -41,6 +41,7 @@ from ringcore.transport.wire import ProtocolError
 if TYPE_CHECKING:
     from ringcore.device.resources import DeviceContext
     from ringcore.device.staging import Staging
+    from ringcore.symmetric import SymmetricMemory
 
 log = logging.getLogger("ringcore")
 
@@ -78,6 +79,7 @@ class Context:
         self._views: dict[tuple[Any, ...], dict[Buf, np.ndarray]] = {}
         self._reducers: dict[tuple[str, ReduceOp, Compression], Reducer] = {}
         self._device: DeviceContext | None = None
+        self.symmetric: SymmetricMemory | None = None  # set by the Communicator (ringcore.symmetric)
 
     @property
     def allreduce_slice_bytes(self) -> int:

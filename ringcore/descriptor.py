@@ -32,9 +32,12 @@ class Descriptor(NamedTuple):
     op: str | None = None
     root: int | None = None
     compression: str | None = None
+    memory: str | None = None  # symmetric memory the collective runs on (ringcore.symmetric), else None
 
     def signature(self) -> int:
-        return _signature(self.kind, self.dtype, self.shape, self.op, self.root, self.compression)
+        return _signature(
+            self.kind, self.dtype, self.shape, self.op, self.root, self.compression, self.memory
+        )
 
     def record(self) -> dict[str, Any]:
         return {**self._asdict(), "shape": list(self.shape)}
@@ -50,7 +53,7 @@ def _signature(*fields: Any) -> int:
     return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little")
 
 
-_FIELDS = ("kind", "seq", "dtype", "shape", "op", "root", "compression")
+_FIELDS = ("kind", "seq", "dtype", "shape", "op", "root", "compression", "memory")
 
 
 def explain(mine: Descriptor, records: dict[int, dict[str, Any]], size: int) -> str:
@@ -78,12 +81,15 @@ _NAMES = {
     "op": "op",
     "root": "root",
     "compression": "compression",
+    "memory": "memory (arrays from ringcore.empty, at one offset, on every rank or none)",
 }
 
 
 def _show(field: str, value: Any) -> str:
     if field == "shape" and isinstance(value, list):
         return str(tuple(value))
+    if field == "memory" and value is None:
+        return "ordinary memory"
     return str(value)
 
 

@@ -7,5 +7,6 @@ broadcast, dissemination barrier). :mod:`~ringcore.algo.program` compiles a
 schedule for a transport into the one form every executor runs. Executors:
 :mod:`~ringcore.algo.execute` (pipelined), :mod:`~ringcore.algo.lockstep`
 (one step at a time, for one-segment schedules) and the staged GPU one in
-:mod:`ringcore.device.staging`, all waiting through :mod:`~ringcore.algo.waiting`.
+:mod:`ringcore.device.staging`, all waiting through :mod:`~ringcore.algo.waiting`. Without frames of data:
+:mod:`~ringcore.algo.direct`, the allreduce on symmetric memory.
 """

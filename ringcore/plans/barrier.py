@@ -39,29 +39,41 @@ class BarrierPlan:
         self.ctx = ctx
         self.details: dict[str, Any] = {}
         self.signature = Descriptor("barrier", 0, "uint8", ()).signature()
-        self._steps: tuple[lockstep.Bound, ...] = ()
-        self._early: tuple[int, ...] = ()
-        self._reducer: Any = None
+        self._bound: BoundBarrier | None = None
 
     def run(self, obj: Any, seq: int) -> None:
         ctx = self.ctx
         if ctx.size < 2:
             return
-        if self._reducer is None:  # bound in the turn, like everything touching the transport
-            self._bind()
+        if self._bound is None:  # bound in the turn, like everything touching the transport
+            self._bound = bind_barrier(ctx)
         try:
-            run_steps(ctx, self._steps, self._early, self._reducer, seq, self.signature)
+            self._bound.run(seq, self.signature)
         except BaseException as err:
             ctx.fail(Descriptor("barrier", seq, "uint8", ()), err)
 
-    def _bind(self) -> None:
-        ctx = self.ctx
-        assert ctx.transport is not None
-        if ctx.settings.hierarchical and hierarchical.applies(ctx.grid):
-            schedule = hierarchical.barrier(ctx.rank, ctx.grid)  # type: ignore[arg-type]
-        else:
-            schedule = chain.barrier(ctx.rank, ctx.size)
-        program = compile_program(schedule, ctx.transport)
-        self._steps = lockstep.bind(program, {Buf.WORK: np.empty(0, np.uint8)})
-        self._early = program.early
-        self._reducer = ctx.reducer(DTYPES["uint8"], ReduceOp.SUM, Compression.NONE)
+
+class BoundBarrier:
+    """The barrier's steps bound once; ``run(seq, signature, part)`` waits for every rank.
+
+    Also the synchronisations inside a collective (the direct allreduce's,
+    :mod:`ringcore.algo.direct`): its own signature and a ``part`` each.
+    """
+
+    def __init__(self, ctx: Context, steps: tuple[lockstep.Bound, ...], early: tuple[int, ...]) -> None:
+        self.ctx, self.steps, self.early = ctx, steps, early
+        self.reducer = ctx.reducer(DTYPES["uint8"], ReduceOp.SUM, Compression.NONE)
+
+    def run(self, seq: int, signature: int, part: int = 0) -> None:
+        run_steps(self.ctx, self.steps, self.early, self.reducer, seq, signature, part)
+
+
+def bind_barrier(ctx: Context) -> BoundBarrier:
+    """The job's barrier schedule (hierarchical across hosts of several ranks each), bound."""
+    assert ctx.transport is not None
+    if ctx.settings.hierarchical and hierarchical.applies(ctx.grid):
+        schedule = hierarchical.barrier(ctx.rank, ctx.grid)  # type: ignore[arg-type]
+    else:
+        schedule = chain.barrier(ctx.rank, ctx.size)
+    program = compile_program(schedule, ctx.transport)
+    return BoundBarrier(ctx, lockstep.bind(program, {Buf.WORK: np.empty(0, np.uint8)}), program.early)

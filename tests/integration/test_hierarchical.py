@@ -41,7 +41,7 @@ def layout(comm: object) -> dict[str, object]:
     comm.barrier()  # type: ignore[attr-defined]
     grid = comm.ctx.grid  # type: ignore[attr-defined]
     host = {rank: h for h, row in enumerate(grid) for rank in row}
-    barrier_peers = [step[1][0] for step in comm._barrier._steps]  # type: ignore[attr-defined]
+    barrier_peers = [step[1][0] for step in comm._barrier._bound.steps]  # type: ignore[attr-defined]
     return {
         "barrier": [host[peer] == host[comm.rank] for peer in barrier_peers],  # type: ignore[attr-defined]
         "grid": comm.ctx.grid,  # type: ignore[attr-defined]

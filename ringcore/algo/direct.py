@@ -1,0 +1,69 @@
+"""The direct allreduce: on symmetric memory, each rank reduces its share from the peers' arrays.
+
+Where every rank's buffer can be read and written by every other
+(:mod:`ringcore.symmetric`), an allreduce needs no frames of data. With ``N``
+ranks the elements are cut into ``N`` shares (:func:`shares`, 64-byte aligned
+so no two ranks write one cache line), and rank ``r``::
+
+    sync 1   every rank's buffer holds its input
+    reduce   mine[share r] = op(mine[share r], every peer's [share r])
+    push     every peer's [share r] = mine[share r]
+    sync 2   every share is in every buffer; nobody touches this rank's any more
+
+Share ``r`` of any buffer is read or written by rank ``r`` alone between the
+two synchronisations (the owner of a buffer touches only its own share), so
+pushing needs no synchronisation after the reduce: rank ``r`` overwrites a
+peer's input in share ``r`` only once it has read it. Per rank that is one
+pass over its share reading all ``N`` inputs, and ``N-1`` copies of it: the
+memory traffic of a ring's data alone, without the ring's copies through
+slots or the kernel. Pushing beats pulling the peers' shares after a third
+synchronisation by 2-3x at 1 MiB (N=2: 103 against 326 us per allreduce): the
+lines a rank writes into a peer's buffer are the ones it has just read
+there, while pulled lines sit modified in the other core's cache
+(``bench/HISTORY.md``, "Symmetric memory").
+
+The synchronisations are the barrier's steps, run by the caller
+(:mod:`ringcore.plans.allreduce`) with its timeout and failure handling.
+Every share is reduced once, by its owner, so all ranks end with the same
+bits. A failure after sync 1 leaves the buffer undefined, and a peer still
+finishing its share may write it into this rank's buffer for as long as its
+reduce and push take after this rank has raised.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+ALIGN_BYTES = 64
+PIECE_BYTES = 256 * 1024  # with several peers the share is reduced piece by piece, kept in L2
+
+
+def shares(count: int, size: int, itemsize: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` element bounds of each rank's share: nearly equal, starting on 64-byte boundaries."""
+    step = max(1, ALIGN_BYTES // itemsize)
+    units = -(-count // step)
+    cuts = [min(count, (units * rank // size) * step) for rank in range(size + 1)]
+    cuts[-1] = count
+    return list(itertools.pairwise(cuts))
+
+
+def reduce_share(mine: np.ndarray, peers: list[np.ndarray], lo: int, hi: int, reducer: Any) -> None:
+    """``mine[lo:hi] = op(mine, *peers)`` over ``[lo, hi)`` (avg's division once, at the end)."""
+    if lo == hi:
+        return
+    piece = hi - lo if len(peers) == 1 else max(1, PIECE_BYTES // mine.itemsize)
+    last = len(peers) - 1
+    for start in range(lo, hi, piece):
+        end = min(hi, start + piece)
+        acc = mine[start:end]
+        for index, peer in enumerate(peers):
+            reducer.combine(acc, acc, peer[start:end], final=index == last)
+
+
+def push_share(mine: np.ndarray, peers: list[np.ndarray], lo: int, hi: int) -> None:
+    """Copy this rank's reduced ``[lo, hi)`` into every peer's buffer."""
+    for peer in peers:
+        peer[lo:hi] = mine[lo:hi]
