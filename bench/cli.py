@@ -51,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("-t", "--test", choices=report.TESTS, default="allreduce", help="collective (default allreduce)")
     add("--compression", choices=("none", "fp16"), default="none", help="allreduce wire format")
     add(
+        "-R",
+        "--symmetric",
+        action="store_true",
+        help="allocate the buffers with ringcore.empty (symmetric memory: on one host, the direct "
+        "allreduce that reads the peers' arrays; nccl-tests' -R registers buffers likewise)",
+    )
+    add(
         "--with-torch",
         action="store_true",
         help="import torch first, as a PyTorch job has it: fp16 compression then borrows its "
@@ -171,7 +178,11 @@ class Bench:
 
         a = self.args
         iters, warmup = report.iteration_plan(shape.nbytes, a.iters, a.warmup_iters, self.budget)
-        buf = np.full(shape.in_count, data.steady_value(self.args.op), dtype=self.dtype)
+        if a.symmetric:
+            buf = ringcore.empty(shape.in_count, self.dtype)
+            buf[...] = data.steady_value(self.args.op)
+        else:
+            buf = np.full(shape.in_count, data.steady_value(self.args.op), dtype=self.dtype)
         call = self._operation(buf)
         for _ in range(warmup):
             ringcore.barrier()

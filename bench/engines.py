@@ -6,6 +6,8 @@ Engines:
   rows read from its ``--json`` file. ``ringcore:NAME=VALUE+NAME=VALUE`` is the
   same with ``RINGCORE_NAME=VALUE`` in its environment, so settings taken at
   init (e.g. ``ringcore:SHM_SINGLE_COPY_BYTES=0``) run beside the peers too.
+- ``ringcore-symmetric``: ``ringcore-bench --symmetric``, buffers from
+  ``ringcore.empty``: on one host, the direct allreduce on symmetric memory.
 - ``gloo``: torch.distributed's gloo backend on CPU tensors, store and pairs on
   loopback (:mod:`ringcore.bench.peers.gloo_worker`).
 - ``mpi-tcp``: OpenMPI forced onto TCP over loopback (``btl self,tcp``), the
@@ -41,7 +43,7 @@ from typing import Any
 from ringcore.bench import report
 from ringcore.config import assignments
 
-ENGINES = ("ringcore", "gloo", "mpi-tcp", "mpi-shm")
+ENGINES = ("ringcore", "ringcore-symmetric", "gloo", "mpi-tcp", "mpi-shm")
 FLOORS = ("floor-cma", "floor-shm", "floor-mix", "floor-ring")  # run when named (--engines), never by default
 # What each engine needs besides ringcore itself: (python module, program)
 _NEEDS = {"gloo": ("torch", None), "mpi-tcp": ("mpi4py", "mpirun"), "mpi-shm": ("mpi4py", "mpirun")}
@@ -119,10 +121,11 @@ def command(engine: str, n: int, plan: Plan, json_path: Path) -> list[str]:
     """The argv that runs ``engine`` on ``n`` ranks over ``plan``'s sizes."""
     common = ["--sizes", ",".join(map(str, plan.sizes)), "--budget", str(plan.budget)]
     py = sys.executable
-    if engine == "ringcore" or variant_env(engine):
+    if engine in ("ringcore", "ringcore-symmetric") or variant_env(engine):
         return [
             *[py, "-m", "ringcore.bench.cli", "--np", str(n), *common],
             *["-n", str(plan.iters), "-w", str(plan.warmup), "-c", "1", "--json", str(json_path)],
+            *(["--symmetric"] if engine == "ringcore-symmetric" else []),
         ]
     peer_args = [*common, "--iters", str(plan.iters), "--warmup", str(plan.warmup), "--engine", engine]
     if engine == "gloo":

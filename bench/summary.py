@@ -8,7 +8,9 @@ Pure functions over the result records compare.py collects, one record per
 For every N, size and engine the table shows the median busbw over the
 repeats (and below :data:`SMALL_BYTES` also the median time, where latency
 matters more than bandwidth), then ringcore's busbw divided by the best of
-the TCP peers and by each peer.
+the TCP peers and by each peer. "ringcore" is the first ringcore engine named
+(``--engines ringcore-symmetric,ringcore,mpi-shm`` compares the symmetric
+route with the others).
 """
 
 from __future__ import annotations
@@ -58,9 +60,11 @@ def ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
-def ratios(cells: Mapping[str, Cell | None], peers: Sequence[str]) -> dict[str, float | None]:
-    """ringcore's busbw over the best TCP peer (``best``) and over each peer in ``peers``."""
-    mine = cells.get(BASELINE)
+def ratios(
+    cells: Mapping[str, Cell | None], peers: Sequence[str], baseline: str = BASELINE
+) -> dict[str, float | None]:
+    """``baseline``'s busbw over the best TCP peer (``best``) and over each peer in ``peers``."""
+    mine = cells.get(baseline)
     mine_bw = mine["busbw"] if mine else None
     tcp = [c["busbw"] for name, c in cells.items() if name in TCP_PEERS and c]
     out = {"best": ratio(mine_bw, max(tcp) if tcp else None)}
@@ -99,21 +103,25 @@ def table(summary: Summary, n: int, engines: Sequence[str]) -> list[str]:
     sizes = sorted({b for cells in by_engine.values() for b in cells})
     reps = max((c["repeats"] for cells in by_engine.values() for c in cells.values()), default=0)
     spread = reps > 1
-    peers = [e for e in engines if e != BASELINE]
-    show_ratios = BASELINE in engines and bool(peers)
+    baseline = next((e for e in engines if e.startswith(BASELINE)), BASELINE)
+    peers = [e for e in engines if e != baseline]
+    show_ratios = baseline in engines and bool(peers)
     width = 24 if spread else 15
     what = f"median of {reps} repeats (min..max)" if spread else f"{reps} repeat"
     head = f"{'size':>6} " + " ".join(f"{e:>{width}}" for e in engines)
     if show_ratios:
         head += "  " + " ".join(f"{'rc/' + x:>10}" for x in ["best", *peers])
-    lines = [f"# N={n}: busbw (GB/s), {what}; time (us) for sizes < {human_size(SMALL_BYTES)}", head]
+    title = f"# N={n}: busbw (GB/s), {what}; time (us) for sizes < {human_size(SMALL_BYTES)}"
+    if show_ratios and baseline != BASELINE:
+        title += f"; rc: {baseline}"
+    lines = [title, head]
     for nbytes in sizes:
         cells = {e: by_engine.get(e, {}).get(nbytes) for e in engines}
         line = f"{human_size(nbytes):>6} " + " ".join(
             f"{_cell_text(cells[e], nbytes, spread):>{width}}" for e in engines
         )
         if show_ratios:
-            r = ratios(cells, peers)
+            r = ratios(cells, peers, baseline)
             line += "  " + " ".join(f"{_ratio_text(r[x]):>10}" for x in ["best", *peers])
         lines.append(line)
     return lines

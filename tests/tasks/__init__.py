@@ -14,6 +14,7 @@ re-exports every task, so ``tasks.<name>`` works whichever module defines it.
 - ``soak_plan``: the seeded batch of mixed collectives the soak tests run.
 - ``plans``: the algorithm, kept plans and plan cache a communicator uses.
 - ``endpoints``: a rank's store, listeners, links and transport.
+- ``symmetric``: arrays from ``comm.empty`` and the direct allreduce on them.
 """
 
 from tests.tasks.collectives import (
@@ -62,6 +63,13 @@ from tests.tasks.plans import (
     many_layouts,
 )
 from tests.tasks.soak_plan import SOAK_DTYPES, soak, soak_input, soak_spec
+from tests.tasks.symmetric import (
+    allreduce_symmetric,
+    allreduce_symmetric_on,
+    direct_then_fault,
+    empty_of_rank_sizes,
+    symmetric_is_mapped,
+)
 from tests.tasks.validation import bad_input
 
 # _hook_phase is private but exported: the rank program test_faults launches with ringcore-run calls it.
@@ -77,6 +85,8 @@ __all__ = [
     "allreduce_checked_until",
     "allreduce_on_mixed_paths",
     "allreduce_recording_algorithms",
+    "allreduce_symmetric",
+    "allreduce_symmetric_on",
     "allreduce_until_failure",
     "allreduce_with_torch_on",
     "async_new_arrays",
@@ -85,6 +95,8 @@ __all__ = [
     "barrier_times",
     "broadcast",
     "check_then_allreduce",
+    "direct_then_fault",
+    "empty_of_rank_sizes",
     "exit_or_barrier",
     "exposed_range",
     "fault_in_round_one",
@@ -109,6 +121,7 @@ __all__ = [
     "soak_input",
     "soak_spec",
     "store_address",
+    "symmetric_is_mapped",
     "timeline_job",
     "torch_allreduce",
     "transport_report",

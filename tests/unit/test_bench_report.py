@@ -353,6 +353,11 @@ def test_table_shows_time_for_small_sizes_only() -> None:
     assert lines[1].split() == ["size", "ringcore", "gloo", "rc/best", "rc/gloo"]
     assert lines[2].split() == ["4K", "0.060", "100us", "0.120", "50us", "0.50", "0.50"]
     assert lines[3].split() == ["16M", "2.500", "1.250", "2.00", "2.00"]
+    recs.append(_rec("ringcore-symmetric", 4, [(4 * K, 80.0, 0.1), (16 * M, 5e3, 5.0)]))
+    lines = summary.table(summary.summarize(recs), 4, ["ringcore-symmetric", "ringcore", "gloo"])
+    assert lines[0].endswith("; rc: ringcore-symmetric")
+    assert lines[1].split()[-3:] == ["rc/best", "rc/ringcore", "rc/gloo"]
+    assert lines[3].split()[-3:] == ["4.00", "2.00", "4.00"], "the symmetric route's ratios"
 
 
 def test_human_size() -> None:

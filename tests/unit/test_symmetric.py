@@ -1,0 +1,126 @@
+"""Symmetric allocations and the direct allreduce's arithmetic, in one process.
+
+A world of two whose "peer" is this same process (its record allgathered
+twice) exercises the real exchange: the memfd is reopened through
+``/proc/<pid>/fd`` and mapped a second time.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ringcore.algo import direct
+from ringcore.buffers import DTYPES
+from ringcore.kernels.numpy_ops import Reducer
+from ringcore.ops import Compression, ReduceOp
+from ringcore.symmetric import SymmetricMemory, create, open_peer
+
+
+def self_as_peer(record: np.ndarray) -> np.ndarray:
+    return np.concatenate([record, record])
+
+
+def test_an_allocation_is_mapped_twice_and_found_by_address() -> None:
+    memory = SymmetricMemory(0, 2, shared=True)
+    agreed = []
+    arr = memory.empty((100, 10), np.dtype(np.float32), self_as_peer, lambda ok: agreed.append(ok) or ok)
+    assert agreed == [True] and arr.shape == (100, 10) and arr.dtype == np.float32
+    allocation, offset = memory.locate(arr[10:20])  # type: ignore[misc]
+    assert offset == 10 * 10 * 4 and allocation.serial == 1
+    (peer,) = allocation.peers(offset, 100, np.dtype(np.float32))
+    arr[10:20] = 3.5
+    assert np.all(peer == 3.5), "the second mapping shows the same memory"
+    assert memory.locate(arr[:, 0]) is None, "not contiguous"
+    assert memory.locate(np.empty(10, np.float32)) is None
+
+
+def test_the_registry_forgets_an_allocation_once_its_array_is_gone() -> None:
+    memory = SymmetricMemory(0, 2, shared=True)
+    arr = memory.empty((1000,), np.dtype(np.float64), self_as_peer, lambda ok: ok)
+    assert memory.locate(arr) is not None
+    del arr
+    gc.collect()
+    assert memory._starts == [] and memory._by_start == {}
+
+
+def test_an_allocation_no_peer_could_map_stays_an_ordinary_array() -> None:
+    memory = SymmetricMemory(0, 2, shared=True)
+
+    def unreadable(record: np.ndarray) -> np.ndarray:
+        return np.concatenate([record, [os.getpid(), 987654, record[2]]])  # no such descriptor
+
+    arr = memory.empty((64,), np.dtype(np.int32), unreadable, lambda ok: ok)
+    arr[...] = 5
+    assert memory.locate(arr) is None and np.all(arr == 5)
+    assert memory.serials == 1, "the serial counts every collective allocation"
+
+
+def test_ranks_that_ask_for_different_sizes_get_a_value_error() -> None:
+    memory = SymmetricMemory(0, 2, shared=True)
+
+    def other_size(record: np.ndarray) -> np.ndarray:
+        return np.concatenate([record, [os.getpid(), 3, record[2] + 4]])
+
+    with pytest.raises(ValueError, match=r"rank 0: 400 bytes, rank 1: 404 bytes"):
+        memory.empty((100,), np.dtype(np.float32), other_size, lambda ok: ok)
+
+
+def test_a_job_across_hosts_allocates_locally_without_collectives() -> None:
+    memory = SymmetricMemory(0, 4, shared=False)
+
+    def never(*_: object) -> object:
+        raise AssertionError("no collective across hosts")
+
+    arr = memory.empty((8,), np.dtype(np.float32), never, never)  # type: ignore[arg-type]
+    assert arr.shape == (8,) and memory.locate(arr) is None
+
+
+def test_the_memfd_is_sealed_and_reopened_only_at_its_size() -> None:
+    fd, mapping = create(5000)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 10)
+        assert open_peer(os.getpid(), fd, 5000) is not None
+        assert open_peer(os.getpid(), fd, 9000) is None, "another size names another file"
+        assert open_peer(os.getpid(), 10**6, 5000) is None
+    finally:
+        mapping.close()
+        os.close(fd)
+
+
+@given(st.integers(0, 10_000), st.integers(1, 9), st.sampled_from([1, 2, 4, 8]))
+def test_shares_cover_the_buffer_in_aligned_disjoint_pieces(count: int, size: int, itemsize: int) -> None:
+    bounds = direct.shares(count, size, itemsize)
+    assert len(bounds) == size and bounds[0][0] == 0 and bounds[-1][1] == count
+    for (lo, hi), (next_lo, _) in itertools.pairwise(bounds):
+        assert lo <= hi == next_lo
+        assert (hi * itemsize) % direct.ALIGN_BYTES == 0 or hi == count
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "prod"])
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_reduce_and_push_give_every_buffer_the_reduction(op: str, size: int) -> None:
+    rng = np.random.default_rng(size)
+    count = 3 * direct.PIECE_BYTES // 8 + 17  # several pieces
+    buffers = [rng.integers(1, 4, count).astype(np.float64) for _ in range(size)]
+    expected = {
+        "sum": np.sum(buffers, axis=0),
+        "avg": np.sum(buffers, axis=0) / size,
+        "max": np.max(buffers, axis=0),
+        "prod": np.prod(buffers, axis=0),
+    }[op]
+    reducer = Reducer(DTYPES["float64"], ReduceOp.parse(op), Compression.NONE, size)
+    bounds = direct.shares(count, size, 8)
+    for rank in range(size):  # the ranks one after another: each touches only its share
+        peers = buffers[rank + 1 :] + buffers[:rank]
+        direct.reduce_share(buffers[rank], peers, *bounds[rank], reducer)
+        direct.push_share(buffers[rank], peers, *bounds[rank])
+    for rank, buf in enumerate(buffers):
+        np.testing.assert_allclose(buf, expected, rtol=1e-12, err_msg=f"rank {rank}")
