@@ -37,11 +37,11 @@ When the array is garbage-collected, this rank drops its peers' mappings too.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import dataclasses
 import fcntl
 import mmap
 import os
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -123,6 +123,8 @@ class SymmetricMemory:
         self.serials = 0
         self._starts: list[int] = []  # sorted
         self._by_start: dict[int, Allocation] = {}
+        self._dead: list[int] = []  # starts of allocations whose arrays are gone
+        self._lock = threading.Lock()
 
     def empty(
         self,
@@ -167,18 +169,21 @@ class SymmetricMemory:
             os.close(fd)  # every peer that could has mapped it: agree() waited for all
         start = array.ctypes.data
         self._add(Allocation(self.serials, self.rank, start, nbytes, memory))
-        weakref.finalize(own, self._remove, start)  # no reference to `own` is kept here
+        weakref.finalize(own, self._died, start)  # no reference to `own` is kept here
         return array
 
     def locate(self, array: np.ndarray) -> tuple[Allocation, int] | None:
         """The allocation that holds all of C-contiguous ``array``, and its byte offset there; else None."""
-        if not self._starts or not array.flags.c_contiguous:
+        if self._dead:
+            self._purge()
+        starts, by_start = self._starts, self._by_start  # one snapshot, whatever another thread does
+        if not starts or not array.flags.c_contiguous:
             return None
         address = array.ctypes.data
-        index = bisect.bisect_right(self._starts, address) - 1
+        index = bisect.bisect_right(starts, address) - 1
         if index < 0:
             return None
-        allocation = self._by_start[self._starts[index]]
+        allocation = by_start[starts[index]]
         offset = address - allocation.start
         if offset + array.nbytes > allocation.nbytes:
             return None
@@ -186,14 +191,25 @@ class SymmetricMemory:
 
     def close(self) -> None:
         """Forget every allocation and drop the peers' mappings (the arrays stay valid)."""
-        self._starts.clear()
-        self._by_start.clear()
+        with self._lock:
+            self._starts, self._by_start = [], {}
+
+    # A finalizer runs wherever the garbage collector does, even inside _add in this thread,
+    # so it only notes the start (_died); the registry is changed under the lock, by
+    # replacement, and read from a snapshot.
 
     def _add(self, allocation: Allocation) -> None:
-        bisect.insort(self._starts, allocation.start)
-        self._by_start[allocation.start] = allocation
+        self._purge()
+        with self._lock:
+            self._by_start = {**self._by_start, allocation.start: allocation}
+            self._starts = sorted(self._by_start)
 
-    def _remove(self, start: int) -> None:
-        with contextlib.suppress(KeyError, ValueError):
-            del self._by_start[start]
-            self._starts.remove(start)
+    def _died(self, start: int) -> None:
+        self._dead.append(start)
+
+    def _purge(self) -> None:
+        with self._lock:
+            by_start = dict(self._by_start)
+            while self._dead:
+                by_start.pop(self._dead.pop(), None)
+            self._by_start, self._starts = by_start, sorted(by_start)

@@ -19,6 +19,14 @@ then runs the wrapped optimizer's step. The first bucket of a step is
 preceded by one announcement for ranks in ``join()``
 (:mod:`ringcore.torch.joining`).
 
+Buffers. The buckets of several gradients on the CPU (bfloat16 aside) get
+their flat buffers when the optimizer is made, in symmetric memory
+(``ringcore.empty``, a collective, so it happens right after the layout
+check, in the same order on every rank): in a job on one host their
+allreduces then read the peers' buffers directly (the direct allreduce,
+:mod:`ringcore.algo.direct`) instead of moving frames. Elsewhere they are
+ordinary memory. A lone gradient is reduced where it lies.
+
 Averaging is ringcore's ``avg`` (sum, then one division by the world size);
 with ``gradient_predivide_factor=f`` gradients are multiplied by ``1/f``
 before the sum and by ``f/size`` after, as in Horovod. ``Compression.fp16``
@@ -94,7 +102,7 @@ class _DistributedOptimizer:
         self._sparse_as_dense = sparse_as_dense
         self._buckets = plan_buckets(named, threshold, groups)
         self._bucket_of = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
-        self._buffers: dict[int, torch.Tensor] = {}
+        self._buffers = _symmetric_buffers(comm, self._buckets)
         self._passes = {id(p): 0 for _, p in named}
         self._filled: list[set[int]] = [set() for _ in self._buckets]
         self._flights: list[_Flight] = []
@@ -113,6 +121,7 @@ class _DistributedOptimizer:
         comm = communicator()
         check_same_layout(comm, self._layout, "DistributedOptimizer")
         self._comm = comm
+        self._buffers = _symmetric_buffers(comm, self._buckets)
         self._postscale = self._predivide / comm.size if self._predivide != 1.0 else 1.0
         self._ident = joining.register_stepper(comm, self)
         self._flights, self._filled = [], [set() for _ in self._buckets]
@@ -224,7 +233,11 @@ class _DistributedOptimizer:
         """A step's allreduces as a rank inside ``join()`` makes them: zeros, same buckets, same order."""
         for bucket in self._buckets:
             comp = self._compression if bucket.dtype.is_floating_point else WireCompression.NONE
-            zeros = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            zeros = self._buffers.get(bucket.index)  # the same memory as the peers' (symmetric or not)
+            if zeros is None:
+                zeros = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            else:
+                zeros.zero_()
             comm.allreduce(for_ringcore(zeros), op=self._wire_op, compression=comp, name="join")
 
     @contextlib.contextmanager
@@ -259,6 +272,16 @@ class _DistributedOptimizer:
                 "zero_grad() before backward, or after step()"
             )
         super().zero_grad(set_to_none)  # type: ignore[misc]
+
+
+def _symmetric_buffers(comm: Communicator, buckets: list[Bucket]) -> dict[int, torch.Tensor]:
+    """Flat buffers in symmetric memory for the CPU buckets of several gradients (module docstring)."""
+    buffers = {}
+    for bucket in buckets:
+        if len(bucket.params) > 1 and bucket.device.type == "cpu" and bucket.dtype is not torch.bfloat16:
+            dtype = torch.empty(0, dtype=bucket.dtype).numpy().dtype
+            buffers[bucket.index] = torch.from_numpy(comm.empty(bucket.numel, dtype))
+    return buffers
 
 
 def _hook(optimizer: _DistributedOptimizer) -> Any:

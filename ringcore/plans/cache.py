@@ -65,12 +65,18 @@ class PlanCache:
         self._held_bytes = 0
 
     def stats(self) -> dict[str, Any]:
-        """``layouts``, ``scratch_bytes`` held, and per form the ``forms`` (layouts) and ``calls`` they ran."""
+        """``layouts``, ``scratch_bytes`` held, and per form the ``forms`` (layouts) and ``calls`` they ran.
+
+        Calls on symmetric memory (the direct allreduce, chosen per call) count
+        under ``calls["direct"]``, not under their plan's form.
+        """
         forms: Counter[str] = Counter()
         calls: Counter[str] = Counter()
         for plan in self._plans.values():
             forms[plan.form] += 1
-            calls[plan.form] += plan.calls
+            calls[plan.form] += plan.calls - plan.direct_calls
+            if plan.direct_calls:
+                calls["direct"] += plan.direct_calls
         return {
             "layouts": len(self._plans),
             "scratch_bytes": self._held_bytes,

@@ -228,6 +228,13 @@ def train(
     return out
 
 
+def train_reporting_calls(comm: Any, steps: int, batch: int) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """``train``, then the calls of each allreduce route (``comm.plan_cache()["calls"]``)."""
+    params = train(comm, steps, batch)
+    params.pop("accuracy")
+    return params, comm.plan_cache()["calls"]
+
+
 def _optimizer(model: Any, name: str) -> Any:
     import torch
 

@@ -70,8 +70,18 @@ def assert_params_close(
 
 @pytest.fixture(scope="module", params=[2, 3, 4])
 def cluster(request: pytest.FixtureRequest):
-    with Cluster(request.param, timeout=180) as cluster:
+    """At N=3 every allreduce is above the small limit: the buckets take the direct route."""
+    env = {"RINGCORE_SMALL_BYTES": "0"} if request.param == 3 else None
+    with Cluster(request.param, env=env, timeout=180) as cluster:
         yield cluster
+
+
+def test_fused_buckets_take_the_direct_route_above_the_small_limit(cluster: Cluster) -> None:
+    """The optimizer's bucket buffers are symmetric memory (ringcore.empty): on one host, direct."""
+    expected = reference(5, BATCH)
+    for params, calls in cluster.results(hvd_tasks.train_reporting_calls, 5, BATCH):
+        assert_params_close(params, expected)
+        assert (calls.get("direct", 0) >= 5) == (cluster.size == 3), calls
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

@@ -47,6 +47,7 @@ def test_the_registry_forgets_an_allocation_once_its_array_is_gone() -> None:
     assert memory.locate(arr) is not None
     del arr
     gc.collect()
+    assert memory.locate(np.empty(10)) is None
     assert memory._starts == [] and memory._by_start == {}
 
 
