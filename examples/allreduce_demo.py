@@ -32,6 +32,11 @@ assert np.allclose(g, expected_sum)
 ringcore.allreduce(g, compression="fp16")  # fp16 on the wire, accumulation in float32
 assert np.allclose(g, expected_sum * size, rtol=1e-3)
 
+s = ringcore.empty(1_000_000)  # float32 in symmetric memory: a collective, the same on every rank
+s[...] = rank
+ringcore.allreduce(s)  # on one host: each rank reads and writes the peers' arrays directly
+assert np.all(s == expected_sum)
+
 h = ringcore.allreduce_async(g)  # overlap with compute
 busy = sum(i * i for i in range(10_000))
 h.wait()
