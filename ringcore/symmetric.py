@@ -22,7 +22,10 @@ descriptor: nothing has a name anywhere (a memfd is never in ``/dev/shm``),
 and the memory goes back to the kernel once every process that mapped it has
 dropped it or died, however it ended.
 
-Safety. The memfd is sealed against shrinking, so no peer's read can fault.
+Safety. Opening another process's descriptor needs the same permission as
+reading its memory with ``process_vm_readv`` or a debugger, so a memfd shows a
+rank's array to nobody who could not already read it. The memfd is sealed
+against shrinking, so no peer's read can fault.
 An allocation has a number (``serial``) that counts the collective
 allocations of the communicator, the same on every rank; a collective on
 symmetric memory carries the serial and offset in its signature, so ranks
@@ -47,12 +50,13 @@ from collections.abc import Callable
 
 import numpy as np
 
+_NAME = "ringcore-symmetric"  # the memfd's name (in /proc/<pid>/fd/<fd>: "/memfd:ringcore-symmetric")
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 @dataclasses.dataclass
 class Allocation:
-    """One symmetric allocation: this rank's memory and, by rank, every rank's (own included)."""
+    """One symmetric allocation: where this rank's array starts, and every peer's memory mapped here."""
 
     serial: int
     rank: int  # this rank: memory[rank] is None
@@ -83,7 +87,7 @@ class Allocation:
 
 def create(nbytes: int) -> tuple[int, mmap.mmap]:
     """A sealed memfd of ``nbytes`` (at least one page) and its mapping: ``(fd, mapping)``."""
-    fd = os.memfd_create("ringcore-symmetric", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fd = os.memfd_create(_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         length = max(nbytes, mmap.PAGESIZE)
         os.ftruncate(fd, length)
@@ -96,8 +100,11 @@ def create(nbytes: int) -> tuple[int, mmap.mmap]:
 
 def open_peer(pid: int, fd: int, nbytes: int) -> mmap.mmap | None:
     """Map process ``pid``'s memfd ``fd`` of ``nbytes``, or None where it cannot (permission, gone, other file)."""
+    path = f"/proc/{pid}/fd/{fd}"
     try:
-        peer_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        if not os.readlink(path).startswith(f"/memfd:{_NAME}"):
+            return None
+        peer_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError:
         return None
     try:

@@ -91,6 +91,8 @@ def test_the_memfd_is_sealed_and_reopened_only_at_its_size() -> None:
         assert open_peer(os.getpid(), fd, 5000) is not None
         assert open_peer(os.getpid(), fd, 9000) is None, "another size names another file"
         assert open_peer(os.getpid(), 10**6, 5000) is None
+        with open(os.devnull, "rb") as other:
+            assert open_peer(os.getpid(), other.fileno(), 5000) is None, "only ringcore's memfds"
     finally:
         mapping.close()
         os.close(fd)
