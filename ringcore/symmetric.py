@@ -11,7 +11,7 @@ peers' memory into its own array, and copies the other shares from the
 peers' arrays (:mod:`ringcore.algo.direct`). That is one memory pass per
 share and one copy, where a ring through slots makes two copies and a pass.
 
-Exchange. The allocation allgathers each rank's ``(pid, fd)``; every rank
+Exchange. The allocation allgathers each rank's ``(pid, fd, inode, bytes)``; every rank
 opens the peers' memfds through ``/proc/<pid>/fd/<fd>`` (the kernel allows it
 only to a process that may ptrace the owner: same user, and Yama's
 ``ptrace_scope`` permitting, as for ``process_vm_readv``), maps them, and an
@@ -98,8 +98,13 @@ def create(nbytes: int) -> tuple[int, mmap.mmap]:
         raise
 
 
-def open_peer(pid: int, fd: int, nbytes: int) -> mmap.mmap | None:
-    """Map process ``pid``'s memfd ``fd`` of ``nbytes``, or None where it cannot (permission, gone, other file)."""
+def open_peer(pid: int, fd: int, inode: int, nbytes: int) -> mmap.mmap | None:
+    """Map process ``pid``'s memfd ``fd`` (inode ``inode``, ``nbytes``), or None where it cannot.
+
+    None: no permission, the process or descriptor is gone, or the descriptor
+    is another file (a pid from another pid namespace names another process:
+    the inode, unique while the memfd lives, tells).
+    """
     path = f"/proc/{pid}/fd/{fd}"
     try:
         if not os.readlink(path).startswith(f"/memfd:{_NAME}"):
@@ -108,7 +113,8 @@ def open_peer(pid: int, fd: int, nbytes: int) -> mmap.mmap | None:
     except OSError:
         return None
     try:
-        if os.fstat(peer_fd).st_size != max(nbytes, mmap.PAGESIZE):
+        status = os.fstat(peer_fd)
+        if status.st_ino != inode or status.st_size != max(nbytes, mmap.PAGESIZE):
             return None
         return mmap.mmap(peer_fd, max(nbytes, mmap.PAGESIZE))
     except OSError:
@@ -154,8 +160,9 @@ class SymmetricMemory:
             if not self.shared:
                 return array
             self.serials += 1
-            records = exchange(np.array([os.getpid(), fd, nbytes], np.int64)).reshape(self.size, 3)
-            sizes = records[:, 2].tolist()
+            record = [os.getpid(), fd, os.fstat(fd).st_ino, nbytes]
+            records = exchange(np.array(record, np.int64)).reshape(self.size, len(record))
+            sizes = records[:, 3].tolist()
             if len(set(sizes)) > 1:  # the same records on every rank: every rank raises this
                 listed = ", ".join(f"rank {peer}: {size} bytes" for peer, size in enumerate(sizes))
                 raise ValueError(
@@ -164,10 +171,10 @@ class SymmetricMemory:
                 )
             memory: list[np.ndarray | None] = []
             mapped = True
-            for peer, (pid, peer_fd, _) in enumerate(records.tolist()):
+            for peer, (pid, peer_fd, inode, _) in enumerate(records.tolist()):
                 mapping = None
                 if peer != self.rank:
-                    mapping = open_peer(pid, peer_fd, nbytes)
+                    mapping = open_peer(pid, peer_fd, inode, nbytes)
                     mapped = mapped and mapping is not None
                 memory.append(None if mapping is None else np.frombuffer(mapping, np.uint8, nbytes))
             if not agree(mapped):

@@ -55,7 +55,7 @@ def test_an_allocation_no_peer_could_map_stays_an_ordinary_array() -> None:
     memory = SymmetricMemory(0, 2, shared=True)
 
     def unreadable(record: np.ndarray) -> np.ndarray:
-        return np.concatenate([record, [os.getpid(), 987654, record[2]]])  # no such descriptor
+        return np.concatenate([record, [os.getpid(), 987654, record[2], record[3]]])  # no such descriptor
 
     arr = memory.empty((64,), np.dtype(np.int32), unreadable, lambda ok: ok)
     arr[...] = 5
@@ -67,7 +67,7 @@ def test_ranks_that_ask_for_different_sizes_get_a_value_error() -> None:
     memory = SymmetricMemory(0, 2, shared=True)
 
     def other_size(record: np.ndarray) -> np.ndarray:
-        return np.concatenate([record, [os.getpid(), 3, record[2] + 4]])
+        return np.concatenate([record, [*record[:3], record[3] + 4]])
 
     with pytest.raises(ValueError, match=r"rank 0: 400 bytes, rank 1: 404 bytes"):
         memory.empty((100,), np.dtype(np.float32), other_size, lambda ok: ok)
@@ -88,11 +88,13 @@ def test_the_memfd_is_sealed_and_reopened_only_at_its_size() -> None:
     try:
         with pytest.raises(PermissionError):
             os.ftruncate(fd, 10)
-        assert open_peer(os.getpid(), fd, 5000) is not None
-        assert open_peer(os.getpid(), fd, 9000) is None, "another size names another file"
-        assert open_peer(os.getpid(), 10**6, 5000) is None
+        inode = os.fstat(fd).st_ino
+        assert open_peer(os.getpid(), fd, inode, 5000) is not None
+        assert open_peer(os.getpid(), fd, inode, 9000) is None, "another size names another file"
+        assert open_peer(os.getpid(), fd, inode + 1, 5000) is None, "another inode is another memfd"
+        assert open_peer(os.getpid(), 10**6, inode, 5000) is None
         with open(os.devnull, "rb") as other:
-            assert open_peer(os.getpid(), other.fileno(), 5000) is None, "only ringcore's memfds"
+            assert open_peer(os.getpid(), other.fileno(), inode, 5000) is None, "only ringcore's memfds"
     finally:
         mapping.close()
         os.close(fd)
