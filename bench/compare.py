@@ -5,6 +5,7 @@
     python bench/compare.py --engines ringcore,gloo --sizes 1M,16M --np 2
     python bench/compare.py --show bench/out/compare-XXXX.json   # re-print tables
     python bench/compare.py --engines ringcore,ringcore:SHM_SINGLE_COPY_BYTES=0,mpi-shm   # a setting beside peers
+    python bench/compare.py --engines ringcore-symmetric,ringcore,mpi-shm   # buffers from ringcore.empty
 
 The runs are interleaved (for each repeat, for each N, for each engine: the
 whole size sweep) so that the machine's noise hits every engine alike; the
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engines",
         default=",".join(engines.ENGINES),
         help=(
-            f"comma list (default: all engines; floors only when named: {','.join(engines.FLOORS)}; "
+            f"comma list (default: all engines; only when named: {','.join(engines.NAMED + engines.FLOORS)}; "
             "ringcore:NAME=VALUE+... runs ringcore with RINGCORE_NAME=VALUE)"
         ),
     )
@@ -73,12 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         print_tables(doc["results"], doc["meta"]["engines"], doc["meta"]["np"])
         return 0
     names = [e for e in args.engines.split(",") if e]
-    unknown = sorted(set(names) - set(engines.ENGINES + engines.FLOORS) - {n for n in names if ":" in n})
+    known = engines.ENGINES + engines.NAMED + engines.FLOORS
+    unknown = sorted(set(names) - set(known) - {n for n in names if ":" in n})
     if unknown:
-        parser.error(
-            f"unknown engine(s) {', '.join(unknown)}; use {', '.join(engines.ENGINES + engines.FLOORS)}"
-            " or ringcore:NAME=VALUE"
-        )
+        parser.error(f"unknown engine(s) {', '.join(unknown)}; use {', '.join(known)} or ringcore:NAME=VALUE")
     try:
         for name in names:
             if ":" in name and not engines.variant_env(name):

@@ -6,8 +6,9 @@ Engines:
   rows read from its ``--json`` file. ``ringcore:NAME=VALUE+NAME=VALUE`` is the
   same with ``RINGCORE_NAME=VALUE`` in its environment, so settings taken at
   init (e.g. ``ringcore:SHM_SINGLE_COPY_BYTES=0``) run beside the peers too.
-- ``ringcore-symmetric``: ``ringcore-bench --symmetric``, buffers from
-  ``ringcore.empty``: on one host, the direct allreduce on symmetric memory.
+- ``ringcore-symmetric`` (run when named): ``ringcore-bench --symmetric``,
+  buffers from ``ringcore.empty``: on one host, the direct allreduce on
+  symmetric memory.
 - ``gloo``: torch.distributed's gloo backend on CPU tensors, store and pairs on
   loopback (:mod:`ringcore.bench.peers.gloo_worker`).
 - ``mpi-tcp``: OpenMPI forced onto TCP over loopback (``btl self,tcp``), the
@@ -43,7 +44,8 @@ from typing import Any
 from ringcore.bench import report
 from ringcore.config import assignments
 
-ENGINES = ("ringcore", "ringcore-symmetric", "gloo", "mpi-tcp", "mpi-shm")
+ENGINES = ("ringcore", "gloo", "mpi-tcp", "mpi-shm")
+NAMED = ("ringcore-symmetric",)  # run when named (--engines), not by default
 FLOORS = ("floor-cma", "floor-shm", "floor-mix", "floor-ring")  # run when named (--engines), never by default
 # What each engine needs besides ringcore itself: (python module, program)
 _NEEDS = {"gloo": ("torch", None), "mpi-tcp": ("mpi4py", "mpirun"), "mpi-shm": ("mpi4py", "mpirun")}
@@ -135,7 +137,7 @@ def command(engine: str, n: int, plan: Plan, json_path: Path) -> list[str]:
     if engine in FLOORS:
         launch = [py, "-m", "ringcore.run", "-np", str(n), "--no-prefix", "--"]
         return [*launch, py, "-m", "ringcore.bench.peers.floor_worker", *peer_args]
-    raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES + FLOORS)}")
+    raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES + NAMED + FLOORS)}")
 
 
 def mpirun(n: int, mca: list[str]) -> list[str]:

@@ -8,9 +8,10 @@ Pure functions over the result records compare.py collects, one record per
 For every N, size and engine the table shows the median busbw over the
 repeats (and below :data:`SMALL_BYTES` also the median time, where latency
 matters more than bandwidth), then ringcore's busbw divided by the best of
-the TCP peers and by each peer. "ringcore" is the first ringcore engine named
-(``--engines ringcore-symmetric,ringcore,mpi-shm`` compares the symmetric
-route with the others).
+the TCP peers and by each peer. "ringcore" is whichever of ``ringcore`` and
+``ringcore-symmetric`` is named first (``--engines
+ringcore-symmetric,ringcore,mpi-shm`` compares the symmetric route with the
+others); ``ringcore:NAME=VALUE`` variants are peers.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def table(summary: Summary, n: int, engines: Sequence[str]) -> list[str]:
     sizes = sorted({b for cells in by_engine.values() for b in cells})
     reps = max((c["repeats"] for cells in by_engine.values() for c in cells.values()), default=0)
     spread = reps > 1
-    baseline = next((e for e in engines if e.startswith(BASELINE)), BASELINE)
+    baseline = next((e for e in engines if e in (BASELINE, "ringcore-symmetric")), BASELINE)
     peers = [e for e in engines if e != baseline]
     show_ratios = baseline in engines and bool(peers)
     width = 24 if spread else 15

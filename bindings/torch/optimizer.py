@@ -19,13 +19,15 @@ then runs the wrapped optimizer's step. The first bucket of a step is
 preceded by one announcement for ranks in ``join()``
 (:mod:`ringcore.torch.joining`).
 
-Buffers. The buckets of several gradients on the CPU (bfloat16 aside) get
-their flat buffers when the optimizer is made, in symmetric memory
+Buffers. The CPU buckets of several gradients above ``RINGCORE_SMALL_BYTES``
+(bfloat16 aside, without fp16 compression or ``RINGCORE_ATOMIC=1``) get their
+flat buffers when the optimizer is made, in symmetric memory
 (``ringcore.empty``, a collective, so it happens right after the layout
-check, in the same order on every rank): in a job on one host their
-allreduces then read the peers' buffers directly (the direct allreduce,
-:mod:`ringcore.algo.direct`) instead of moving frames. Elsewhere they are
-ordinary memory. A lone gradient is reduced where it lies.
+check, which covers what decides the buckets, in the same order on every
+rank): in a job on one host their allreduces then read the peers' buffers
+directly (the direct allreduce, :mod:`ringcore.algo.direct`) instead of
+moving frames. Elsewhere they are ordinary memory, made at first use. A lone
+gradient is reduced where it lies.
 
 Averaging is ringcore's ``avg`` (sum, then one division by the world size);
 with ``gradient_predivide_factor=f`` gradients are multiplied by ``1/f``
@@ -90,19 +92,25 @@ class _DistributedOptimizer:
             raise ValueError(f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}")
         named = _named_parameters(self, named_parameters)  # type: ignore[arg-type]
         threshold = comm.settings.fusion_threshold
-        layout = [(name, tuple(p.shape), str(p.dtype)) for name, p in named]
-        self._layout = [*layout, ("RINGCORE_FUSION_THRESHOLD", (threshold,), "")]
+        self._compression = wire_compression(compression)
+        self._buckets = plan_buckets(named, threshold, groups)
+        layout = [(name, tuple(p.shape), f"{p.dtype} on {p.device.type}") for name, p in named]
+        buckets = tuple(len(b.params) for b in self._buckets)
+        self._layout = [
+            *layout,
+            ("RINGCORE_FUSION_THRESHOLD", (threshold,), ""),
+            ("buckets (groups)", buckets, ""),
+            ("compression", (), self._compression.value),
+        ]
         check_same_layout(comm, self._layout, "DistributedOptimizer")
         self._comm: Communicator = comm
-        self._compression = wire_compression(compression)
         self._passes_per_step = backward_passes_per_step
         self._predivide = float(gradient_predivide_factor)
         self._wire_op = ReduceOp.SUM if op is Sum or self._predivide != 1.0 else ReduceOp.AVG
         self._postscale = self._predivide / comm.size if self._predivide != 1.0 else 1.0
         self._sparse_as_dense = sparse_as_dense
-        self._buckets = plan_buckets(named, threshold, groups)
         self._bucket_of = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
-        self._buffers = _symmetric_buffers(comm, self._buckets)
+        self._buffers = _symmetric_buffers(comm, self._buckets, self._compression)
         self._passes = {id(p): 0 for _, p in named}
         self._filled: list[set[int]] = [set() for _ in self._buckets]
         self._flights: list[_Flight] = []
@@ -121,7 +129,7 @@ class _DistributedOptimizer:
         comm = communicator()
         check_same_layout(comm, self._layout, "DistributedOptimizer")
         self._comm = comm
-        self._buffers = _symmetric_buffers(comm, self._buckets)
+        self._buffers = _symmetric_buffers(comm, self._buckets, self._compression)
         self._postscale = self._predivide / comm.size if self._predivide != 1.0 else 1.0
         self._ident = joining.register_stepper(comm, self)
         self._flights, self._filled = [], [set() for _ in self._buckets]
@@ -274,13 +282,26 @@ class _DistributedOptimizer:
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
 
-def _symmetric_buffers(comm: Communicator, buckets: list[Bucket]) -> dict[int, torch.Tensor]:
-    """Flat buffers in symmetric memory for the CPU buckets of several gradients (module docstring)."""
-    buffers = {}
+def _symmetric_buffers(
+    comm: Communicator, buckets: list[Bucket], compression: WireCompression
+) -> dict[int, torch.Tensor]:
+    """Flat buffers in symmetric memory for the buckets whose allreduce can go direct (module docstring).
+
+    CPU buckets of several gradients, above ``RINGCORE_SMALL_BYTES``, not
+    bfloat16, with no fp16 on the wire and ``RINGCORE_ATOMIC=0``: the same
+    buckets on every rank (the layout check covers what decides them).
+    """
+    buffers: dict[int, torch.Tensor] = {}
+    if comm.settings.atomic:
+        return buffers
     for bucket in buckets:
-        if len(bucket.params) > 1 and bucket.device.type == "cpu" and bucket.dtype is not torch.bfloat16:
-            dtype = torch.empty(0, dtype=bucket.dtype).numpy().dtype
-            buffers[bucket.index] = torch.from_numpy(comm.empty(bucket.numel, dtype))
+        if len(bucket.params) < 2 or bucket.device.type != "cpu" or bucket.dtype is torch.bfloat16:
+            continue
+        dtype = torch.empty(0, dtype=bucket.dtype).numpy().dtype
+        compressed = compression is not WireCompression.NONE and bucket.dtype.is_floating_point
+        if compressed or bucket.numel * dtype.itemsize <= comm.settings.small_bytes:
+            continue
+        buffers[bucket.index] = torch.from_numpy(comm.empty(bucket.numel, dtype))
     return buffers
 
 

@@ -2,8 +2,9 @@
 
 Where every rank's buffer can be read and written by every other
 (:mod:`ringcore.symmetric`), an allreduce needs no frames of data. With ``N``
-ranks the elements are cut into ``N`` shares (:func:`shares`, 64-byte aligned
-so no two ranks write one cache line), and rank ``r``::
+ranks the elements are cut into ``N`` shares (:func:`shares`, on 64-byte
+boundaries from the array's start: no two ranks write one cache line of an
+aligned array), and rank ``r``::
 
     sync 1   every rank's buffer holds its input
     reduce   mine[share r] = op(mine[share r], every peer's [share r])
@@ -25,9 +26,10 @@ there, while pulled lines sit modified in the other core's cache
 The synchronisations are the barrier's steps, run by the caller
 (:mod:`ringcore.plans.allreduce`) with its timeout and failure handling.
 Every share is reduced once, by its owner, so all ranks end with the same
-bits. A failure after sync 1 leaves the buffer undefined, and a peer still
-finishing its share may write it into this rank's buffer for as long as its
-reduce and push take after this rank has raised.
+bits. A failure leaves the buffer undefined (a peer may pass sync 1 before
+this rank notices that another died), and a peer still finishing its share,
+or stopped and resumed, may write it into this rank's buffer after this rank
+has raised: such an array is not to be reused.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ PIECE_BYTES = 256 * 1024  # with several peers the share is reduced piece by pie
 
 
 def shares(count: int, size: int, itemsize: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` element bounds of each rank's share: nearly equal, starting on 64-byte boundaries."""
+    """``[lo, hi)`` element bounds of each rank's share: nearly equal, each starting a multiple of 64 bytes in."""
     step = max(1, ALIGN_BYTES // itemsize)
     units = -(-count // step)
     cuts = [min(count, (units * rank // size) * step) for rank in range(size + 1)]

@@ -41,7 +41,8 @@ so ranks whose plans took different forms still agree.
 
 Symmetric memory. A call on an array from ``ringcore.empty`` (every rank's,
 at one offset, :mod:`ringcore.symmetric`) above the small limit, in a job on
-one host, with no compression and ``RINGCORE_ATOMIC=0``, runs the direct
+one host, with no compression and ``RINGCORE_ATOMIC=0`` (both agreed at init;
+a timeline does not matter), runs the direct
 allreduce (:mod:`ringcore.algo.direct`) instead of its form: the ranks read
 each other's arrays, and only the barrier's empty frames travel. That depends
 on where the caller's memory lies, not on its layout, so it is chosen per
@@ -108,8 +109,8 @@ class AllreducePlan:
         self._work = np.empty(0)
         self._pieces: tuple[Piece, ...] = ()
         self.symmetric: SymmetricMemory | None = None  # where calls may find their array (module docstring)
-        symmetric = ctx.symmetric
-        if preparable and not self.small and symmetric is not None and symmetric.shared:
+        symmetric = ctx.symmetric  # the direct route's conditions hold alike on every rank
+        if kept and buffer.device == "cpu" and not self.small and symmetric is not None and symmetric.shared:
             self.symmetric = None if compression is not Compression.NONE or ctx.settings.atomic else symmetric
         self.direct_calls = 0
         self._sync: BoundBarrier | None = None
@@ -232,18 +233,16 @@ class AllreducePlan:
         signature = desc.signature()
         peers = allocation.peers(offset, self.count, flat.dtype)
         lo, hi = direct.shares(self.count, size, flat.itemsize)[rank]
-        written = False
         try:
             try:
                 self._sync.run(seq, signature, 0)  # every input is in place
-                written = True
                 direct.reduce_share(flat, peers, lo, hi, self.reducer)
                 direct.push_share(flat, peers, lo, hi)
                 self._sync.run(seq, signature, 1)  # every share is in every array
             except BaseException as err:
                 ctx.fail(desc, err)
-        except BaseException as err:
-            note_failure(err, 0, self.count if written else 0, self.count)
+        except BaseException as err:  # a peer past the first barrier may write any share (but on mismatch)
+            note_failure(err, 0, self.count, self.count)
             raise
 
     def _general(self, obj: Any, seq: int) -> None:

@@ -7,6 +7,7 @@ twice) exercises the real exchange: the memfd is reopened through
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import os
@@ -48,7 +49,39 @@ def test_the_registry_forgets_an_allocation_once_its_array_is_gone() -> None:
     del arr
     gc.collect()
     assert memory.locate(np.empty(10)) is None
-    assert memory._starts == [] and memory._by_start == {}
+    assert memory._registry == ([], {})
+
+
+def memfd_descriptors() -> list[str]:
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return [link for link in links if "ringcore-symmetric" in link]
+
+
+def test_no_descriptor_outlives_the_allocation_call() -> None:
+    """Mappings hold no descriptor, so the memfds cannot be opened through /proc afterwards."""
+    memory = SymmetricMemory(0, 2, shared=True)
+    before = memfd_descriptors()
+    arrays = [memory.empty((4096,), np.dtype(np.float32), self_as_peer, lambda ok: ok) for _ in range(3)]
+    assert all(memory.locate(a) is not None for a in arrays)
+    assert memfd_descriptors() == before
+
+
+def test_a_rank_without_memfds_still_takes_part_and_all_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ringcore import symmetric
+
+    def refused(nbytes: int) -> object:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(symmetric, "create", refused)
+    memory = SymmetricMemory(0, 2, shared=True)
+    seen: list[object] = []
+    arr = memory.empty((10,), np.dtype(np.int64), lambda r: seen.append(r) or self_as_peer(r), lambda ok: ok)
+    assert len(seen) == 1, "the exchange still ran"
+    arr[...] = 3
+    assert memory.locate(arr) is None and np.all(arr == 3)
 
 
 def test_an_allocation_no_peer_could_map_stays_an_ordinary_array() -> None:
@@ -96,7 +129,7 @@ def test_the_memfd_is_sealed_and_reopened_only_at_its_size() -> None:
         with open(os.devnull, "rb") as other:
             assert open_peer(os.getpid(), other.fileno(), inode, 5000) is None, "only ringcore's memfds"
     finally:
-        mapping.close()
+        del mapping
         os.close(fd)
 
 
