@@ -236,8 +236,7 @@ class AllreducePlan:
         try:
             try:
                 self._sync.run(seq, signature, 0)  # every input is in place
-                direct.reduce_share(flat, peers, lo, hi, self.reducer)
-                direct.push_share(flat, peers, lo, hi)
+                direct.reduce_and_push(flat, peers, lo, hi, self.reducer)
                 self._sync.run(seq, signature, 1)  # every share is in every array
             except BaseException as err:
                 ctx.fail(desc, err)

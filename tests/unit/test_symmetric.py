@@ -158,7 +158,6 @@ def test_reduce_and_push_give_every_buffer_the_reduction(op: str, size: int) -> 
     bounds = direct.shares(count, size, 8)
     for rank in range(size):  # the ranks one after another: each touches only its share
         peers = buffers[rank + 1 :] + buffers[:rank]
-        direct.reduce_share(buffers[rank], peers, *bounds[rank], reducer)
-        direct.push_share(buffers[rank], peers, *bounds[rank])
+        direct.reduce_and_push(buffers[rank], peers, *bounds[rank], reducer)
     for rank, buf in enumerate(buffers):
         np.testing.assert_allclose(buf, expected, rtol=1e-12, err_msg=f"rank {rank}")
