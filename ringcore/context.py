@@ -80,6 +80,7 @@ class Context:
         self._reducers: dict[tuple[str, ReduceOp, Compression], Reducer] = {}
         self._device: DeviceContext | None = None
         self.symmetric: SymmetricMemory | None = None  # set by the Communicator (ringcore.symmetric)
+        self.barrier_steps: Any = None  # the barrier's steps, bound once (plans.barrier.bound_barrier)
 
     @property
     def allreduce_slice_bytes(self) -> int:
@@ -92,6 +93,7 @@ class Context:
         self._views.clear()
         self._reducers.clear()
         self._device = None
+        self.barrier_steps = None
 
     def reducer(self, dtype: DType, op: ReduceOp, compression: Compression) -> Reducer:
         """The kernels for one kind of collective, kept so their scratch arrays are reused."""

@@ -69,7 +69,7 @@ from ringcore.algo.steps import Buf, Schedule
 from ringcore.buffers import Buffer, checked_buffer, storage_view
 from ringcore.descriptor import Descriptor
 from ringcore.ops import Compression, ReduceOp
-from ringcore.plans.barrier import BoundBarrier, bind_barrier
+from ringcore.plans.barrier import BoundBarrier, bound_barrier
 from ringcore.plans.base import run_steps
 from ringcore.plans.validate import check_allreduce
 from ringcore.slicing import allreduce_schedule, buffer_slices, note_failure, slice_bounds, writes_user
@@ -110,8 +110,16 @@ class AllreducePlan:
         self._pieces: tuple[Piece, ...] = ()
         self.symmetric: SymmetricMemory | None = None  # where calls may find their array (module docstring)
         symmetric = ctx.symmetric  # the direct route's conditions hold alike on every rank
-        if kept and buffer.device == "cpu" and not self.small and symmetric is not None and symmetric.shared:
-            self.symmetric = None if compression is not Compression.NONE or ctx.settings.atomic else symmetric
+        plain = compression is Compression.NONE and not ctx.settings.atomic
+        if (
+            kept
+            and plain
+            and buffer.device == "cpu"
+            and not self.small
+            and symmetric is not None
+            and symmetric.shared
+        ):
+            self.symmetric = symmetric
         self.direct_calls = 0
         self._sync: BoundBarrier | None = None
 
@@ -225,7 +233,7 @@ class AllreducePlan:
         """The direct allreduce on symmetric memory: two barriers, one pass, one copy (no frames of data)."""
         ctx, rank, size = self.ctx, self.ctx.rank, self.ctx.size
         if self._sync is None:  # bound in the turn, like everything touching the transport
-            self._sync = bind_barrier(ctx)
+            self._sync = bound_barrier(ctx)
             self.reducer = ctx.reducer(self.dtype, self.op, self.compression)
         self.direct_calls += 1
         flat = storage_view(obj, self.dtype)

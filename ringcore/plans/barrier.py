@@ -46,7 +46,7 @@ class BarrierPlan:
         if ctx.size < 2:
             return
         if self._bound is None:  # bound in the turn, like everything touching the transport
-            self._bound = bind_barrier(ctx)
+            self._bound = bound_barrier(ctx)
         try:
             self._bound.run(seq, self.signature)
         except BaseException as err:
@@ -68,12 +68,19 @@ class BoundBarrier:
         run_steps(self.ctx, self.steps, self.early, self.reducer, seq, signature, part)
 
 
-def bind_barrier(ctx: Context) -> BoundBarrier:
-    """The job's barrier schedule (hierarchical across hosts of several ranks each), bound."""
+def bound_barrier(ctx: Context) -> BoundBarrier:
+    """The job's barrier schedule (hierarchical across hosts of several ranks each), bound once per context.
+
+    The barrier plan and every direct allreduce share it: the steps hold no
+    state between runs.
+    """
     assert ctx.transport is not None
-    if ctx.settings.hierarchical and hierarchical.applies(ctx.grid):
-        schedule = hierarchical.barrier(ctx.rank, ctx.grid)  # type: ignore[arg-type]
-    else:
-        schedule = chain.barrier(ctx.rank, ctx.size)
-    program = compile_program(schedule, ctx.transport)
-    return BoundBarrier(ctx, lockstep.bind(program, {Buf.WORK: np.empty(0, np.uint8)}), program.early)
+    if ctx.barrier_steps is None:
+        if ctx.settings.hierarchical and hierarchical.applies(ctx.grid):
+            schedule = hierarchical.barrier(ctx.rank, ctx.grid)  # type: ignore[arg-type]
+        else:
+            schedule = chain.barrier(ctx.rank, ctx.size)
+        program = compile_program(schedule, ctx.transport)
+        steps = lockstep.bind(program, {Buf.WORK: np.empty(0, np.uint8)})
+        ctx.barrier_steps = BoundBarrier(ctx, steps, program.early)
+    return ctx.barrier_steps  # type: ignore[no-any-return]
