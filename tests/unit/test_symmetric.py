@@ -161,3 +161,22 @@ def test_reduce_and_push_give_every_buffer_the_reduction(op: str, size: int) -> 
         direct.reduce_and_push(buffers[rank], peers, *bounds[rank], reducer)
     for rank, buf in enumerate(buffers):
         np.testing.assert_allclose(buf, expected, rtol=1e-12, err_msg=f"rank {rank}")
+
+
+def test_bad_shapes_and_dtypes_are_refused_before_any_collective() -> None:
+    from ringcore.comm import Communicator
+    from ringcore.config import Settings
+
+    comm = Communicator(0, 1, 0, 1, Settings.from_env({}), None)  # a world of one: no collective at all
+    for shape, dtype, error in [
+        ((2, 2.5), np.float32, TypeError),
+        ((True,), np.float32, TypeError),
+        ("ab", np.float32, TypeError),
+        ((3, -1), np.float32, ValueError),
+        ((4,), object, TypeError),
+    ]:
+        with pytest.raises(error, match=r"ringcore\.empty"):
+            comm.empty(shape, dtype)  # type: ignore[arg-type]
+    arr = comm.empty((3, 4), np.int16)
+    assert arr.shape == (3, 4) and arr.dtype == np.int16 and arr.flags.writeable
+    comm.shutdown()
