@@ -346,7 +346,8 @@ AGREED_SETTINGS = {
     "RINGCORE_SLICE_BYTES": "slice_bytes",
     "RINGCORE_HIERARCHICAL": "hierarchical",
     "RINGCORE_GPU_STAGING_BYTES": "gpu_staging_bytes",
-    "RINGCORE_ATOMIC": "atomic",  # arrays from ringcore.empty go direct only without it
+    "RINGCORE_ATOMIC": "atomic",  # allreduces on one host go direct only without it
+    "RINGCORE_DIRECT": "direct",
 }
 
 

@@ -80,6 +80,7 @@ class Context:
         self._reducers: dict[tuple[str, ReduceOp, Compression], Reducer] = {}
         self._device: DeviceContext | None = None
         self.symmetric: SymmetricMemory | None = None  # set by the Communicator (ringcore.symmetric)
+        self.direct_voting: Any = None  # the direct allreduce's means, made in its first call (plans.direct)
         self.barrier_steps: Any = None  # the barrier's steps, bound once (plans.barrier.bound_barrier)
 
     @property

@@ -143,6 +143,9 @@ def _error(err: BaseException) -> RankError:
     return RankError(type(err).__name__, str(err), exception, traceback.format_exc())
 
 
+BASE_ENV: dict[str, str] = {}  # under every cluster's own env (tests/conftest.py's ``ring_only`` sets it)
+
+
 class Cluster:
     """N ringcore ranks in their own processes (see module docstring)."""
 
@@ -170,6 +173,7 @@ class Cluster:
 
     def _start(self, port: int, env: dict[str, str], timeout: float) -> list[tuple[str, Any]]:
         base = {
+            **BASE_ENV,
             "RINGCORE_TIMEOUT": "30",
             "RINGCORE_INIT_TIMEOUT": "30",
             "RINGCORE_SECRET": f"test-{port}-{secrets.token_hex(8)}",  # a stranger on the port fails the handshake

@@ -1,10 +1,13 @@
-"""The direct allreduce: on symmetric memory, each rank reduces its share from the peers' arrays.
+"""The direct allreduce: each rank reduces its share from the peers' buffers and writes it into theirs.
 
-Where every rank's buffer can be read and written by every other
-(:mod:`ringcore.symmetric`), an allreduce needs no frames of data. With ``N``
-ranks the elements are cut into ``N`` shares (:func:`shares`, on 64-byte
-boundaries from the array's start: no two ranks write one cache line of an
-aligned array), and rank ``r``::
+Where every rank can read and write every other's buffer, an allreduce needs
+no frames of data. A peer's buffer is reached one of two ways: :class:`Mapped`
+(symmetric memory, :mod:`ringcore.symmetric`: loads and stores) or
+:class:`Remote` (any buffer of a process on this host: ``process_vm_readv``
+into a piece of scratch, ``process_vm_writev`` back, :mod:`ringcore.transport.cma`).
+With ``N`` ranks the elements are cut into ``N`` shares (:func:`shares`, on
+64-byte boundaries from the array's start: no two ranks write one cache line
+of an aligned array), and rank ``r``::
 
     sync 1   every rank's buffer holds its input
     reduce   mine[share r] = op(mine[share r], every peer's [share r])   } piece by piece,
@@ -17,27 +20,32 @@ pushing needs no synchronisation after the reduce: rank ``r`` overwrites a
 peer's input in share ``r`` only once it has read it. Per rank that is one
 pass over its share reading all ``N`` inputs, and ``N-1`` copies of it: the
 memory traffic of a ring's data alone, without the ring's copies through
-slots or the kernel. Pushing beats pulling the peers' shares after a third
-synchronisation by 2-3x at 1 MiB (N=2: 103 against 326 us per allreduce): the
-lines a rank writes into a peer's buffer are the ones it has just read
-there, while pulled lines sit modified in the other core's cache
-(``bench/HISTORY.md``, "Symmetric memory").
+slots. Pushing beats pulling the peers' shares after a third
+synchronisation: on symmetric memory by 2-3x at 1 MiB (N=2: 103 against 326
+us per allreduce), through the kernel by 1.15-1.5x from 1 to 64 MiB: the lines
+a rank writes into a peer's buffer are the ones it has just read and reduced,
+while pulled lines sit modified in the other core's cache (``bench/HISTORY.md``,
+"Symmetric memory", "Ordinary buffers go direct").
 
-The synchronisations are the barrier's steps, run by the caller
-(:mod:`ringcore.plans.allreduce`) with its timeout and failure handling.
-Every share is reduced once, by its owner, so all ranks end with the same
-bits. A failure leaves the buffer undefined (a peer may pass sync 1 before
-this rank notices that another died), and a peer still finishing its share,
-or stopped and resumed, may write it into this rank's buffer after this rank
-has raised: such an array is not to be reused.
+The synchronisations, and the agreement that every rank's memory allows it,
+are the caller's (:mod:`ringcore.plans.direct`), with the timeout, failure
+handling, and the words that keep a rank from writing into a buffer whose
+owner has returned. Every share is reduced once, by its owner, so all ranks
+end with the same bits. A failure leaves the buffer undefined (a peer may pass
+sync 1 before this rank notices that another died).
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from ringcore.errors import PeerFailure
+from ringcore.transport import cma
 
 ALIGN_BYTES = 64
 PIECE_BYTES = 256 * 1024  # a share is reduced and pushed piece by piece, each piece still in L2
@@ -52,12 +60,69 @@ def shares(count: int, size: int, itemsize: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(cuts))
 
 
-def reduce_and_push(mine: np.ndarray, peers: list[np.ndarray], lo: int, hi: int, reducer: Any) -> None:
+class Mapped:
+    """A peer's array mapped into this process (symmetric memory): read and written in place."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        return self.array[lo:hi]
+
+    def write(self, mine: np.ndarray, lo: int, hi: int) -> None:
+        self.array[lo:hi] = mine[lo:hi]
+
+
+class Remote:
+    """A peer's buffer in its own process, copied from and to with one system call per piece (``cma``).
+
+    Args:
+        rank, pid: the peer and its process.
+        address: where the peer's buffer starts, in its process.
+        mine: this rank's buffer (the same layout).
+        scratch: a piece's room, where :meth:`read` lands (shared by the peers: each read is
+            combined before the next).
+    """
+
+    __slots__ = ("address", "here", "itemsize", "pid", "rank", "scratch")
+
+    def __init__(self, rank: int, pid: int, address: int, mine: np.ndarray, scratch: np.ndarray) -> None:
+        self.rank, self.pid, self.address = rank, pid, address
+        self.here, self.itemsize = mine.ctypes.data, mine.itemsize
+        self.scratch = scratch.view(mine.dtype)
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        into = self.scratch[: hi - lo]
+        self._copy(cma.copy_in, self.address + lo * self.itemsize, into.ctypes.data, hi - lo, "read")
+        return into
+
+    def write(self, mine: np.ndarray, lo: int, hi: int) -> None:
+        offset = lo * self.itemsize
+        self._copy(cma.copy_out, self.here + offset, self.address + offset, hi - lo, "write")
+
+    def _copy(
+        self, copy: Callable[[int, int, int, int], None], src: int, dst: int, count: int, what: str
+    ) -> None:
+        try:
+            copy(self.pid, src, dst, count * self.itemsize)
+        except OSError as err:
+            gone = err.errno == errno.ESRCH
+            why = "its process is gone" if gone else (err.strerror or str(err))
+            raise PeerFailure(f"rank {self.rank}: could not {what} its buffer ({why})", self.rank) from None
+
+
+Peer = Mapped | Remote
+
+
+def reduce_and_push(mine: np.ndarray, peers: list[Peer], lo: int, hi: int, reducer: Any) -> None:
     """Reduce ``[lo, hi)`` of every array into ``mine`` and copy it into every peer's, piece by piece.
 
     Each piece is pushed while it is still in this core's cache: against the
     whole share reduced and then pushed, 0.65-0.83x the time at N=2 4-64 MiB
     and 0.62-0.81x at N=4 4-16 MiB (``bench/HISTORY.md``, "Symmetric memory").
+    A :class:`Remote` peer's pieces are read into scratch of ``PIECE_BYTES``.
     """
     step = max(1, PIECE_BYTES // mine.itemsize)
     for start in range(lo, hi, step):
@@ -66,15 +131,15 @@ def reduce_and_push(mine: np.ndarray, peers: list[np.ndarray], lo: int, hi: int,
         push_share(mine, peers, start, end)
 
 
-def reduce_share(mine: np.ndarray, peers: list[np.ndarray], lo: int, hi: int, reducer: Any) -> None:
+def reduce_share(mine: np.ndarray, peers: list[Peer], lo: int, hi: int, reducer: Any) -> None:
     """``mine[lo:hi] = op(mine, *peers)`` over ``[lo, hi)`` (avg's division once, with the last peer)."""
     acc = mine[lo:hi]
     last = len(peers) - 1
     for index, peer in enumerate(peers):
-        reducer.combine(acc, acc, peer[lo:hi], final=index == last)
+        reducer.combine(acc, acc, peer.read(lo, hi), final=index == last)
 
 
-def push_share(mine: np.ndarray, peers: list[np.ndarray], lo: int, hi: int) -> None:
+def push_share(mine: np.ndarray, peers: list[Peer], lo: int, hi: int) -> None:
     """Copy this rank's reduced ``[lo, hi)`` into every peer's buffer."""
     for peer in peers:
-        peer[lo:hi] = mine[lo:hi]
+        peer.write(mine, lo, hi)

@@ -39,16 +39,13 @@ call was still half a 1 MiB allreduce's Python calls. Measured:
 calls per small step"). All forms send the same frames, tags and signatures,
 so ranks whose plans took different forms still agree.
 
-Symmetric memory. A call on an array from ``ringcore.empty`` (every rank's,
-at one offset, :mod:`ringcore.symmetric`) above the small limit, in a job on
-one host, with no compression and ``RINGCORE_ATOMIC=0`` (both agreed at init;
-a timeline does not matter), runs the direct
-allreduce (:mod:`ringcore.algo.direct`) instead of its form: the ranks read
-each other's arrays, and only the barrier's empty frames travel. That depends
-on where the caller's memory lies, not on its layout, so it is chosen per
-call, in :meth:`AllreducePlan.run`, and nowhere else. Its descriptor names the
-allocation and offset, so ranks that disagree on it (one passing ordinary
-memory) fail with ``MismatchError`` before any rank reads a peer's array.
+The direct route. On one host, above the small limit, with no compression
+and ``RINGCORE_ATOMIC=0``, a call may instead go direct
+(:mod:`ringcore.plans.direct`): the ranks read and write each other's buffers,
+and only a vote's and a barrier's small frames travel. That depends on where
+each rank's memory lies (a CPU buffer, symmetric memory, a GPU), not on the
+layout, so it is chosen per call, in :meth:`AllreducePlan.run`, and nowhere
+else; where the ranks' memory does not allow it, they all run the plan's form.
 
 Slices. Every form takes the slices of :mod:`ringcore.slicing` (tags numbered
 by slice), shared with the GPU plans, so a failure's note says the same
@@ -63,20 +60,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ringcore.algo import direct, lockstep
+from ringcore.algo import lockstep
 from ringcore.algo.program import Program, compile_program
 from ringcore.algo.steps import Buf, Schedule
 from ringcore.buffers import Buffer, checked_buffer, storage_view
 from ringcore.descriptor import Descriptor
 from ringcore.ops import Compression, ReduceOp
-from ringcore.plans.barrier import BoundBarrier, bound_barrier
 from ringcore.plans.base import run_steps
+from ringcore.plans.direct import route_for
 from ringcore.plans.validate import check_allreduce
 from ringcore.slicing import allreduce_schedule, buffer_slices, note_failure, slice_bounds, writes_user
 
 if TYPE_CHECKING:
     from ringcore.context import Context
-    from ringcore.symmetric import Allocation, SymmetricMemory
 
 Piece = tuple[int, int, Schedule, Program]  # (first element, count, schedule, its program)
 
@@ -108,27 +104,17 @@ class AllreducePlan:
         self._early: tuple[int, ...] = ()
         self._work = np.empty(0)
         self._pieces: tuple[Piece, ...] = ()
-        self.symmetric: SymmetricMemory | None = None  # where calls may find their array (module docstring)
-        symmetric = ctx.symmetric  # the direct route's conditions hold alike on every rank
-        plain = compression is Compression.NONE and not ctx.settings.atomic
-        if (
-            kept
-            and plain
-            and buffer.device == "cpu"
-            and not self.small
-            and symmetric is not None
-            and symmetric.shared
-        ):
-            self.symmetric = symmetric
-        self.direct_calls = 0
-        self._sync: BoundBarrier | None = None
+        self.direct = route_for(self)  # after the fields it reads
+
+    @property
+    def direct_calls(self) -> int:
+        """Calls that went direct (``plan_cache()`` counts them apart from the form's)."""
+        return self.direct.calls if self.direct is not None else 0
 
     def run(self, obj: Any, seq: int) -> Any:
         """Reduce ``obj`` (this plan's layout, validated) as collective ``seq``, in its turn; returns ``obj``."""
         self.calls += 1
-        if self.symmetric is not None and (found := self.symmetric.locate(obj)) is not None:
-            self._run_direct(obj, *found, seq)
-        else:
+        if self.direct is None or not self.direct.run(obj, seq):
             self._run(obj, seq)
         return obj
 
@@ -228,29 +214,6 @@ class AllreducePlan:
                 exposed = count if writes_user(schedule) and not atomic else 0
                 note_failure(err, start, exposed, self.count)
                 raise
-
-    def _run_direct(self, obj: Any, allocation: Allocation, offset: int, seq: int) -> None:
-        """The direct allreduce on symmetric memory: two barriers, one pass, one copy (no frames of data)."""
-        ctx, rank, size = self.ctx, self.ctx.rank, self.ctx.size
-        if self._sync is None:  # bound in the turn, like everything touching the transport
-            self._sync = bound_barrier(ctx)
-            self.reducer = ctx.reducer(self.dtype, self.op, self.compression)
-        self.direct_calls += 1
-        flat = storage_view(obj, self.dtype)
-        desc = Descriptor("allreduce", seq, *self.fields, allocation.label(offset))
-        signature = desc.signature()
-        peers = allocation.peers(offset, self.count, flat.dtype)
-        lo, hi = direct.shares(self.count, size, flat.itemsize)[rank]
-        try:
-            try:
-                self._sync.run(seq, signature, 0)  # every input is in place
-                direct.reduce_and_push(flat, peers, lo, hi, self.reducer)
-                self._sync.run(seq, signature, 1)  # every share is in every array
-            except BaseException as err:
-                ctx.fail(desc, err)
-        except BaseException as err:  # a peer past the first barrier may write any share (but on mismatch)
-            note_failure(err, 0, self.count, self.count)
-            raise
 
     def _general(self, obj: Any, seq: int) -> None:
         ctx = self.ctx

@@ -1,4 +1,6 @@
-"""Cross-memory attach: read bytes straight out of another process's memory (``process_vm_readv``).
+"""Cross-memory attach: copy bytes straight out of, or into, another process's memory.
+
+``process_vm_readv`` and ``process_vm_writev``, each one copy in the kernel.
 
 The shared-memory transport moves a large frame with one copy instead of two
 (into a slot, out of it): the sender publishes the address of its bytes in a
@@ -33,12 +35,13 @@ def _load() -> ctypes.CDLL | None:
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        function = libc.process_vm_readv
+        functions = (libc.process_vm_readv, libc.process_vm_writev)
     except (OSError, AttributeError):
         return None
     iovecs = ctypes.POINTER(_Iovec)
-    function.argtypes = [ctypes.c_int, iovecs, ctypes.c_ulong, iovecs, ctypes.c_ulong, ctypes.c_ulong]
-    function.restype = ctypes.c_ssize_t
+    for function in functions:
+        function.argtypes = [ctypes.c_int, iovecs, ctypes.c_ulong, iovecs, ctypes.c_ulong, ctypes.c_ulong]
+        function.restype = ctypes.c_ssize_t
     return libc
 
 
@@ -57,28 +60,58 @@ def read(pid: int, into: memoryview, address: int) -> None:
         OSError: the process is gone (``ESRCH``), the range is not mapped there
             (``EFAULT``), reading it is not allowed (``EPERM``), or fewer bytes came.
     """
+    copy_in(pid, address, view_address(into), into.nbytes)
+
+
+def copy_in(pid: int, there: int, here: int, nbytes: int) -> None:
+    """Copy ``nbytes`` at ``there`` in process ``pid`` to ``here`` in this one; raises ``OSError`` as :func:`read`."""
     assert _LIBC is not None
-    length = into.nbytes
-    local = _Iovec(view_address(into), length)
-    remote = _Iovec(address, length)
-    got = _LIBC.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    _transfer(_LIBC.process_vm_readv, pid, here, nbytes, there, "read")
+
+
+def copy_out(pid: int, here: int, there: int, nbytes: int) -> None:
+    """Copy ``nbytes`` at ``here`` in this process to ``there`` in process ``pid``; raises ``OSError`` as :func:`read`."""
+    assert _LIBC is not None
+    _transfer(_LIBC.process_vm_writev, pid, here, nbytes, there, "wrote")
+
+
+def _transfer(function: ctypes._CFuncPtr, pid: int, here: int, length: int, there: int, did: str) -> None:
+    if not length:
+        return
+    local, remote = _Iovec(here, length), _Iovec(there, length)
+    got = function(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
     if got < 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
     if got != length:
-        raise OSError(errno.EFAULT, f"read {got} of {length} bytes")
+        raise OSError(errno.EFAULT, f"{did} {got} of {length} bytes")
 
 
 class Probe:
-    """A few random bytes this process keeps, so peers can check they may read its memory."""
+    """A few random bytes this process keeps, so peers can check they may read its memory.
+
+    It also holds the word peers read during a direct allreduce
+    (:mod:`ringcore.plans.direct`, "Safety"), never freed: a peer that reads it
+    late must not find reused memory there.
+    """
 
     def __init__(self) -> None:
         self.token = bytearray(os.urandom(16))
         self.address = view_address(memoryview(self.token))
+        self.word = (ctypes.c_int64 * 8)()  # [0]: the word; a cache line of its own
+        _KEPT.append(self.word)
 
     def record(self) -> dict[str, int | bytes]:
-        """What a peer needs to try: this process's pid, the token's address and its value."""
-        return {"pid": os.getpid(), "address": self.address, "token": bytes(self.token)}
+        """What a peer needs to try: this process's pid, the token's address and its value; the word's address."""
+        return {
+            "pid": os.getpid(),
+            "address": self.address,
+            "token": bytes(self.token),
+            "word": ctypes.addressof(self.word),
+        }
+
+
+_KEPT: list[ctypes.Array] = []  # every probe's word
 
 
 def readable(record: dict[str, object]) -> bool:

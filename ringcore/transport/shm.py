@@ -399,7 +399,7 @@ class ShmTransport:
         doorbell: this rank's FIFO (None without local peers).
         bells: ``peer -> fd`` of each local peer's doorbell, open for writing.
         point_from: ``peer -> bytes``: frames to the peer from this size go as pointers (absent: never).
-        peer_pids: ``peer -> pid`` of the peers whose pointers this rank copies from.
+        peer_pids: ``peer -> pid`` of the local peers whose memory this rank may read (and write).
         cache_bytes: pointers only in collectives whose buffers on this host (the
             caller's bytes times its ranks) exceed this (``expect``; 0: in every one).
     """
@@ -422,7 +422,10 @@ class ShmTransport:
         bells = bells or {}
         self.point_from = point_from or {}
         self.peer_pids = peer_pids or {}
-        copyable = cma.Copyable()  # which of this rank's buffers peers may copy from
+        self.copyable = copyable = cma.Copyable()  # which of this rank's buffers peers may copy from
+        self.reads_everywhere = False  # every rank may copy from and to every other (shm_setup agrees on it)
+        self.word: Any = None  # this rank's word for the direct allreduce, and the peers' addresses of theirs
+        self.peer_words: dict[int, int] = {}  # (ringcore.plans.direct, "Safety"; set by shm_setup)
         self.pointing = [True]  # whether the running collective points (expect), seen by every link
         self.cache_bytes = cache_bytes
         self.links = {

@@ -105,7 +105,9 @@ def connect(
         for peer in local:
             if peer in made and answers[peer].get("segment"):
                 _attach(peer, answers[peer], mapped, bells)
-        done = _exchange(control, {peer: {"mapped": peer in mapped} for peer in peers}, timeout)
+        reads_all = len(local) == len(peers) and all(offers[peer]["reads"] for peer in local)
+        said = {peer: {"mapped": peer in mapped, "reads_all": reads_all} for peer in peers}
+        done = _exchange(control, said, timeout)
     except BaseException:
         for segment in (*made.values(), *mapped.values()):
             shm_ring.unlink(segment.name)
@@ -126,9 +128,15 @@ def connect(
     point_from = {
         peer: single_copy_bytes for peer in mapped if single_copy_bytes and answers[peer].get("reads")
     }
-    peer_pids = {peer: int(theirs[peer]["memory"]["pid"]) for peer in mapped if offers[peer].get("reads")}
+    peer_pids = {peer: int(theirs[peer]["memory"]["pid"]) for peer in local if offers[peer].get("reads")}
     cache = last_level_cache() if cache_bytes is None else cache_bytes
-    return _assemble(control, made, mapped, answers, done, links, ours, bells, point_from, peer_pids, cache)
+    transport = _assemble(
+        control, made, mapped, answers, done, links, ours, bells, point_from, peer_pids, cache
+    )
+    transport.reads_everywhere = reads_all and all(done[peer].get("reads_all") for peer in peers)
+    transport.word = memory.word
+    transport.peer_words = {peer: int(theirs[peer]["memory"].get("word", 0)) for peer in peer_pids}
+    return transport
 
 
 def last_level_cache(cpu: str = "/sys/devices/system/cpu/cpu0/cache") -> int:

@@ -25,7 +25,8 @@ from tests.cluster import Background, Cluster, can_own_hostname
 from tests.gpu import tasks
 from tests.reference import check_allreduce
 
-pytestmark = pytest.mark.timeout(300)
+# the GPU path's bits are the host ring's: pinned to the ring (a mixed job's vote: tests/integration/test_direct.py)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("ring_only")]
 
 RING_ENV = {
     "RINGCORE_SMALL_BYTES": "256",

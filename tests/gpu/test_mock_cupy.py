@@ -23,6 +23,7 @@ from tests.reference import check_allreduce
 
 pytestmark = [
     pytest.mark.timeout(300),
+    pytest.mark.usefixtures("ring_only"),  # the GPU path's bits are the host ring's
     pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++) for the host kernels"),
 ]
 

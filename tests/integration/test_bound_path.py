@@ -21,6 +21,8 @@ import ringcore
 from tests import tasks
 from tests.cluster import Cluster, qualified
 
+pytestmark = pytest.mark.usefixtures("ring_only")  # the ring's forms and frames, not the direct route
+
 COUNT = 100_003  # 400 KB of float32, above the 64 KiB small limit; odd, so chunks differ in length
 CASES = [  # (dtype, op, compression, runs planned once)
     ("float32", "sum", None, True),

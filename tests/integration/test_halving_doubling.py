@@ -28,7 +28,7 @@ import ringcore
 from tests import tasks
 from tests.cluster import Background, Cluster, RankError, free_port, qualified
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("ring_only")]  # not the direct route
 
 SMALL = 64 * 1024 // 4  # float32 elements at the default RINGCORE_SMALL_BYTES
 HALVING = 4 * 1024 * 1024 // 4  # ... at the default RINGCORE_HALVING_BYTES

@@ -21,6 +21,8 @@ from tests import tasks
 from tests.cluster import Background, Cluster, kill_mid_allreduce, qualified, read_stamp
 from tests.reference import check_allreduce
 
+pytestmark = pytest.mark.usefixtures("ring_only")  # the ring's forms and frames, not the direct route
+
 SHM = {"RINGCORE_TRANSPORT": "shm", "RINGCORE_TIMEOUT": "20"}
 KIB = 1024
 

@@ -84,9 +84,13 @@ def test_memory_is_mapped_only_within_one_host_and_never_named() -> None:
 
 @pytest.mark.timeout(180)
 def test_ranks_that_disagree_on_the_memory_fail_untouched() -> None:
+    """Where ranks cannot copy from each other (here: TCP), there is no vote; the descriptor names the memory.
+
+    (Where they can, the vote takes them all direct: ``tests/integration/test_direct.py``.)
+    """
     rng = np.random.default_rng(8)
     inputs = [rng.standard_normal(200_000).astype(np.float32) for _ in range(3)]
-    with Cluster(3, env=SHM, timeout=60) as cluster:
+    with Cluster(3, env={**SHM, "RINGCORE_TRANSPORT": "tcp"}, timeout=60) as cluster:
         reports = cluster.results(tasks.allreduce_symmetric_on, inputs, [0, 2], timeout=60)
     for rank, report in enumerate(reports):
         assert report["error"] == "MismatchError", (rank, report)

@@ -51,6 +51,7 @@ import ringcore
 from ringcore.errors import AuthenticationError
 from tests import tasks
 from tests.cluster import Background, Cluster, RankError, collect, free_port, qualified
+from tests.conftest import RING_ONLY
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 2.0  # RINGCORE_TIMEOUT in every fault scenario
@@ -58,8 +59,10 @@ INIT_TIMEOUT = 3.0  # RINGCORE_INIT_TIMEOUT in the rendezvous scenarios
 SLACK = 5.0  # detection must happen within the engine's timeout plus this
 COUNT = 1_000_000  # float32 elements: the ring path with many 64 KiB segments per step
 # One slice, and the ring at every N (not halving-doubling, whose whole steps have no 3rd
-# segment): each scenario strikes one ring at a chosen phase (slicing has its own tests).
+# segment, nor the direct route, which has no phases): each scenario strikes one ring at a
+# chosen phase (slicing and the direct route have their own tests).
 ENV = {
+    **RING_ONLY,
     "RINGCORE_TIMEOUT": str(TIMEOUT),
     "RINGCORE_SEGMENT_BYTES": "64K",
     "RINGCORE_SLICE_BYTES": "48M",
@@ -298,7 +301,12 @@ def test_launcher_stops_the_job_when_a_rank_is_killed(tmp_path: Path) -> None:
     script.write_text(textwrap.dedent(LAUNCHED_RANK))
     stamp = tmp_path / "fault_at"
     command = [sys.executable, "-m", "ringcore.run", "-np", "3", sys.executable, str(script), str(stamp)]
-    env = {"RINGCORE_TIMEOUT": str(TIMEOUT), "RINGCORE_SEGMENT_BYTES": "64K", "PYTHONPATH": str(REPO)}
+    env = {
+        "RINGCORE_TIMEOUT": str(TIMEOUT),
+        "RINGCORE_SEGMENT_BYTES": "64K",
+        "PYTHONPATH": str(REPO),
+        **RING_ONLY,
+    }
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=45, env={**os.environ, **env}, check=False
     )

@@ -15,6 +15,7 @@ re-exports every task, so ``tasks.<name>`` works whichever module defines it.
 - ``plans``: the algorithm, kept plans and plan cache a communicator uses.
 - ``endpoints``: a rank's store, listeners, links and transport.
 - ``symmetric``: arrays from ``comm.empty`` and the direct allreduce on them.
+- ``direct``: the direct allreduce of ordinary buffers: routes, faults, late writers.
 """
 
 from tests.tasks.collectives import (
@@ -35,6 +36,7 @@ from tests.tasks.collectives import (
     timeline_job,
     torch_allreduce,
 )
+from tests.tasks.direct import allreduce_routed, late_writer
 from tests.tasks.endpoints import listening_report, repeated_allreduce, store_address, transport_report
 from tests.tasks.failures import (
     allreduce_until_failure,
@@ -85,6 +87,7 @@ __all__ = [
     "allreduce_checked_until",
     "allreduce_on_mixed_paths",
     "allreduce_recording_algorithms",
+    "allreduce_routed",
     "allreduce_symmetric",
     "allreduce_symmetric_on",
     "allreduce_until_failure",
@@ -106,6 +109,7 @@ __all__ = [
     "init_shutdown_cycles",
     "init_with_fault",
     "kept_layouts",
+    "late_writer",
     "lifecycle_cycles",
     "listening_report",
     "loop_allreduce",

@@ -73,15 +73,19 @@ def symmetric_is_mapped(comm: Any) -> dict[str, Any]:
     return {"mapped": found is not None, "shm files": sorted(os.listdir("/dev/shm"))}
 
 
-def direct_then_fault(comm: Any, count: int, victim: int, fault: str) -> dict[str, Any]:
+def direct_then_fault(
+    comm: Any, count: int, victim: int, fault: str, memory: str = "symmetric"
+) -> dict[str, Any]:
     """Two direct allreduces; in the second, ``victim`` dies (``kill9``) or stops (``stop``) while pushing.
 
-    The victim's push writes the first half of its share into one peer, then
-    the fault hits. Returns the survivors' error type, message and notes.
+    The buffer comes from ``comm.empty`` (``memory="symmetric"``) or numpy
+    (``"ordinary"``). The victim's push writes the first half of its share
+    into one peer, then the fault hits. Returns the survivors' error type,
+    message and notes.
     """
     from ringcore.algo import direct
 
-    buf = comm.empty(count, np.float64)
+    buf = comm.empty(count, np.float64) if memory == "symmetric" else np.empty(count, np.float64)
     buf[...] = comm.rank + 1
     comm.allreduce(buf)
     assert np.all(buf == comm.size * (comm.size + 1) / 2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import subprocess
@@ -47,6 +48,41 @@ def test_a_process_reads_another_ones_token_and_nothing_else() -> None:
     finally:
         holder.communicate(b"", timeout=20)
     assert not cma.readable(record), "the process is gone"
+
+
+def test_a_process_writes_another_ones_word_and_reads_it_back() -> None:
+    """``copy_out``/``copy_in`` at an address of another process: the direct allreduce's words and pushes."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER_WORD], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout is not None
+        word = int(holder.stdout.readline())
+        value, back = np.array([-12345], np.int64), np.zeros(1, np.int64)
+        cma.copy_out(holder.pid, value.ctypes.data, word, 8)
+        cma.copy_in(holder.pid, word, back.ctypes.data, 8)
+        assert back[0] == -12345
+        with pytest.raises(OSError):
+            cma.copy_out(holder.pid, value.ctypes.data, 8, 8)  # not mapped there
+        holder.stdin.write(b"x\n")  # type: ignore[union-attr]
+        holder.stdin.flush()  # type: ignore[union-attr]
+        assert int(holder.stdout.readline()) == -12345, "the holder sees the word written"
+    finally:
+        holder.communicate(b"", timeout=20)
+    with pytest.raises(OSError) as gone:
+        cma.copy_in(holder.pid, word, back.ctypes.data, 8)
+    assert gone.value.errno == errno.ESRCH
+
+
+_HOLDER_WORD = """
+import sys
+from ringcore.transport import cma
+probe = cma.Probe()
+print(probe.record()["word"], flush=True)
+sys.stdin.readline()
+print(probe.word[0], flush=True)
+sys.stdin.read()
+"""
 
 
 def link_pair(

@@ -11,6 +11,8 @@ import contextlib
 import gc
 import itertools
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -19,9 +21,11 @@ from hypothesis import strategies as st
 
 from ringcore.algo import direct
 from ringcore.buffers import DTYPES
+from ringcore.errors import PeerFailure
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
 from ringcore.symmetric import SymmetricMemory, create, open_peer
+from ringcore.transport import cma
 
 
 def self_as_peer(record: np.ndarray) -> np.ndarray:
@@ -142,9 +146,12 @@ def test_shares_cover_the_buffer_in_aligned_disjoint_pieces(count: int, size: in
         assert (hi * itemsize) % direct.ALIGN_BYTES == 0 or hi == count
 
 
+@pytest.mark.parametrize("way", ["mapped", "remote"])
 @pytest.mark.parametrize("op", ["sum", "avg", "max", "prod"])
 @pytest.mark.parametrize("size", [2, 3, 5])
-def test_reduce_and_push_give_every_buffer_the_reduction(op: str, size: int) -> None:
+def test_reduce_and_push_give_every_buffer_the_reduction(op: str, size: int, way: str) -> None:
+    if way == "remote" and not cma.available():
+        pytest.skip("process_vm_readv is not available on this platform")
     rng = np.random.default_rng(size)
     count = 3 * direct.PIECE_BYTES // 8 + 17  # several pieces
     buffers = [rng.integers(1, 4, count).astype(np.float64) for _ in range(size)]
@@ -156,11 +163,33 @@ def test_reduce_and_push_give_every_buffer_the_reduction(op: str, size: int) -> 
     }[op]
     reducer = Reducer(DTYPES["float64"], ReduceOp.parse(op), Compression.NONE, size)
     bounds = direct.shares(count, size, 8)
+    scratch = np.empty(direct.PIECE_BYTES, np.uint8)
     for rank in range(size):  # the ranks one after another: each touches only its share
-        peers = buffers[rank + 1 :] + buffers[:rank]
+        order = [(rank + step) % size for step in range(1, size)]
+        peers: list[direct.Peer] = [
+            direct.Mapped(buffers[peer])
+            if way == "mapped"  # remote: through this process's own pid, as a peer's would be
+            else direct.Remote(peer, os.getpid(), buffers[peer].ctypes.data, buffers[rank], scratch)
+            for peer in order
+        ]
         direct.reduce_and_push(buffers[rank], peers, *bounds[rank], reducer)
     for rank, buf in enumerate(buffers):
         np.testing.assert_allclose(buf, expected, rtol=1e-12, err_msg=f"rank {rank}")
+
+
+@pytest.mark.skipif(not cma.available(), reason="process_vm_readv is not available on this platform")
+def test_a_remote_peer_whose_process_is_gone_is_a_peer_failure_naming_it() -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=20)  # reaped: the pid names no process
+    mine = np.ones(1024, np.float32)
+    peer = direct.Remote(3, gone.pid, mine.ctypes.data, mine, np.empty(direct.PIECE_BYTES, np.uint8))
+    for attempt in (lambda: peer.read(0, 16), lambda: peer.write(mine, 0, 16)):
+        with pytest.raises(
+            PeerFailure, match=r"rank 3: could not \w+ its buffer \(its process is gone\)"
+        ) as failure:
+            attempt()
+        assert failure.value.peer == 3
+    assert (mine == 1).all()
 
 
 def test_bad_shapes_and_dtypes_are_refused_before_any_collective() -> None:

@@ -1,0 +1,295 @@
+"""The direct route of an allreduce on one host: when it runs, how the ranks agree on it, its safety.
+
+On one host a rank can reach its peers' memory, so an allreduce needs no
+frames of data: each rank reduces its share of the elements straight from
+the peers' buffers and writes the result into theirs
+(:mod:`ringcore.algo.direct`). Two ways in:
+
+- **remote**: any CPU buffer, through ``process_vm_readv``/``process_vm_writev``
+  (:class:`ringcore.algo.direct.Remote`: a piece is read into a scratch that
+  stays in cache, combined, and written back to every peer, one system call per
+  piece and peer). Open MPI's single copy does the same reads; here the ranks
+  write their reduced shares too, so there is no second round of copies.
+- **mapped**: arrays from ``ringcore.empty`` (:mod:`ringcore.symmetric`), at one
+  offset on every rank: loads and stores, no system call at all.
+
+When. A plan has a direct route (:func:`route_for`) when the conditions hold
+alike on every rank: a world of 2+ on one host, above ``RINGCORE_SMALL_BYTES``,
+no compression, ``RINGCORE_ATOMIC=0`` and ``RINGCORE_DIRECT=1`` (both agreed at
+init). Whether a call takes it depends on where each rank's memory lies, so the
+ranks vote, per call, in :meth:`DirectRoute.run` and nowhere else:
+
+- Where every rank may copy from and to every other (``ShmTransport.
+  reads_everywhere``, probed and agreed at set-up), each rank offers a row
+  ``(way, address, allocation, offset)`` in a small allreduce (the vote,
+  part ``VOTE_PART`` of the collective's tags): remote for a CPU buffer the
+  kernel can copy (not CUDA's pinned memory), mapped for symmetric memory,
+  nothing for a GPU buffer. All mapped at one allocation and offset: mapped;
+  all at least remote: remote; otherwise every rank runs its plan's own form,
+  and ranks with host and GPU buffers still meet in one ring. The vote is the
+  route's first synchronisation ("every input is in place"), so it costs no
+  more than the barrier it replaces.
+- Elsewhere (``RINGCORE_TRANSPORT=tcp``, or Yama forbids copying between ranks)
+  only symmetric memory goes direct, decided by ``locate`` alone, and the
+  descriptor names the allocation, so a rank that passed other memory fails with
+  ``MismatchError`` before any rank touches a peer's array.
+
+Safety. A rank writes into its peers' buffers, and a buffer is the caller's
+again once its rank returns, even from a failure, and a peer may pass the vote
+while another fails in it (at N=4 one that died after its first round). So on
+the voting route each rank keeps a word (its addresses exchanged at set-up,
+``cma.Probe``) that peers read through ``process_vm_readv``: ``seq`` from
+before its vote until it has written its last piece, ``0`` then, ``-seq`` once
+it gave up on collective ``seq``. Before writing anything, a rank reads every
+peer's word and writes nothing where one gave up (it waits in the last barrier
+for that peer's ABORT, which names the cause); a rank that gives up sets
+``-seq`` and then waits (``WRITER_GRACE`` s at most) until no peer's word says
+``seq``. A store, a fence, then a read of the other's word on both sides: one of
+the two sees the other, so no rank writes into a buffer whose owner returned.
+A peer that stays stopped mid-write past the grace is named in the error's note:
+its buffer may still change. On symmetric memory without the vote there are no
+words; such an array is not to be reused after a failure (``ringcore.empty``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ringcore.algo import direct, lockstep, recursive_doubling
+from ringcore.algo.program import compile_program
+from ringcore.algo.steps import Buf
+from ringcore.buffers import DTYPES, storage_view
+from ringcore.descriptor import Descriptor
+from ringcore.errors import PeerFailure
+from ringcore.ops import Compression, ReduceOp
+from ringcore.plans.barrier import BoundBarrier, bound_barrier
+from ringcore.plans.base import run_steps
+from ringcore.slicing import note_failure
+from ringcore.transport import cma, shm_ring, wire
+
+if TYPE_CHECKING:
+    from ringcore.context import Context
+    from ringcore.plans.allreduce import AllreducePlan
+
+NONE, REMOTE, MAPPED = 0, 1, 2  # a rank's offer in the vote
+FIELDS = 4  # way, address, allocation serial, byte offset
+VOTE_PART = (1 << wire.PART_BITS) - 1  # tags apart from the ring's parts, which may follow the vote
+DONE_PART = VOTE_PART - 1
+WRITER_GRACE = 10.0  # seconds a failing rank waits for peers still writing into its buffer
+
+
+class Voting:
+    """One context's means for the voting route, made in the first call's turn."""
+
+    def __init__(self, ctx: Context) -> None:
+        transport = ctx.transport
+        assert transport is not None
+        self.ctx, self.rank, self.size = ctx, ctx.rank, ctx.size
+        self.pids: dict[int, int] = dict(transport.peer_pids)  # type: ignore[attr-defined]
+        self.copyable = transport.copyable  # type: ignore[attr-defined]
+        self.word = transport.word  # type: ignore[attr-defined]  # [0]: this rank's word
+        self.words: dict[int, int] = dict(transport.peer_words)  # type: ignore[attr-defined]
+        self.peer_word = np.zeros(1, np.int64)
+        self.scratch = np.empty(direct.PIECE_BYTES, np.uint8)
+        self.sync: BoundBarrier = bound_barrier(ctx)
+        count = self.size * FIELDS
+        schedule = recursive_doubling.allreduce(self.rank, self.size, count, 8, ctx.settings.segment_size())
+        views = {buf: np.empty(count, np.int64) for buf in (*schedule.scratch, Buf.WORK)}
+        program = compile_program(schedule, transport)
+        if not schedule.prefill_work or not lockstep.fits(schedule, transport, views):
+            raise RuntimeError("the direct route's vote does not run in lockstep")  # never at any size
+        self.rows, self.early = views[Buf.WORK], program.early
+        self.steps = lockstep.bind(program, views)
+        self.summer = ctx.reducer(DTYPES["int64"], ReduceOp.SUM, Compression.NONE)
+
+    def vote(self, row: list[int], seq: int, signature: int) -> np.ndarray:
+        """Every rank's row, in rank order: a sum of rows that are zero but for each rank's own."""
+        rows = self.rows
+        rows[:] = 0
+        rows[self.rank * FIELDS : (self.rank + 1) * FIELDS] = row
+        run_steps(self.ctx, self.steps, self.early, self.summer, seq, signature, VOTE_PART)
+        return rows.reshape(self.size, FIELDS)
+
+    def read_word(self, peer: int) -> int | None:
+        """A peer's word, read from its memory; None when it cannot be (its process is gone)."""
+        try:
+            cma.copy_in(self.pids[peer], self.words[peer], self.peer_word.ctypes.data, 8)
+        except OSError:
+            return None
+        return int(self.peer_word[0])
+
+    def gave_up(self, seq: int) -> int | None:
+        """A peer that already gave up on ``seq``, to which nothing may be written (module docstring, "Safety")."""
+        for peer in self.words:
+            if self.read_word(peer) == -seq:
+                return peer
+        return None
+
+    def quiesce(self, seq: int) -> list[int]:
+        """Say this rank gave up on ``seq``; wait for peers still writing to it; those that did not stop."""
+        self.word[0] = -seq
+        shm_ring.fence()  # the word stored before the peers' are read
+        deadline = time.perf_counter() + min(WRITER_GRACE, self.ctx.settings.timeout)
+        writing = list(self.words)
+        while writing:
+            writing = [peer for peer in writing if self.read_word(peer) == seq]
+            if not writing or time.perf_counter() > deadline:
+                break
+            time.sleep(0.001)
+        return writing
+
+
+class DirectRoute:
+    """One plan's direct route (module docstring); ``run(obj, seq)`` False: the plan's form runs instead."""
+
+    def __init__(self, plan: AllreducePlan) -> None:
+        self.plan, self.ctx = plan, plan.ctx
+        self.calls = 0
+
+    def run(self, obj: Any, seq: int) -> bool:
+        ctx = self.ctx
+        if getattr(ctx.transport, "reads_everywhere", False):
+            if ctx.direct_voting is None:  # in the turn, like everything touching the transport
+                ctx.direct_voting = Voting(ctx)
+            return self._run_voted(obj, seq, ctx.direct_voting)
+        return self._run_located(obj, seq)
+
+    # ------------------------------------------------------------------ with a vote
+
+    def _run_voted(self, obj: Any, seq: int, voting: Voting) -> bool:
+        plan, rank = self.plan, self.ctx.rank
+        flat = self._flat(obj)
+        row = self._offer(flat, voting)
+        desc = Descriptor("allreduce", seq, *plan.fields)
+        voting.word[0] = seq
+        shm_ring.fence()  # the word stored before the vote sends, so before any peer reads ours
+        try:
+            try:
+                rows = voting.vote(row, seq, plan.signature)  # every input is in place
+                way = _agreed(rows)
+                if way == NONE:
+                    voting.word[0] = 0
+                    return False
+                assert flat is not None
+                self.calls += 1
+                gone = voting.gave_up(seq)
+                if gone is None:
+                    peers = self._peers(flat, rows, way, voting)
+                    lo, hi = direct.shares(plan.count, self.ctx.size, flat.itemsize)[rank]
+                    direct.reduce_and_push(flat, peers, lo, hi, self._reducer())
+                voting.word[0] = 0
+                voting.sync.run(seq, plan.signature, DONE_PART)  # every share is in every buffer
+                if gone is not None:  # its ABORT, with the reason, normally fails the sync first
+                    raise PeerFailure(
+                        f"rank {gone} gave up on this allreduce before this rank wrote to it", gone
+                    )
+            except BaseException as err:
+                self.ctx.fail(desc, err)
+        except BaseException as err:
+            stuck = voting.quiesce(seq)
+            note_failure(err, 0, plan.count, plan.count)  # a peer past the vote may write any share
+            for peer in stuck:
+                err.add_note(
+                    f"rank {peer} was still writing into this rank's buffer {WRITER_GRACE:g} s after "
+                    "this rank gave up (stopped?): the buffer may change after this error; do not reuse it"
+                )
+            raise
+        return True
+
+    def _flat(self, obj: Any) -> np.ndarray | None:
+        """This call's CPU memory as one contiguous array, or None (GPU memory)."""
+        plan = self.plan
+        if plan.buffer is not None:  # a one-call plan's validated buffer
+            return plan.buffer.array if plan.buffer.device == "cpu" else None
+        return storage_view(obj, plan.dtype)
+
+    def _offer(self, flat: np.ndarray | None, voting: Voting) -> list[int]:
+        if flat is None or not flat.flags.c_contiguous or not voting.copyable(memoryview(flat)):
+            return [NONE, 0, 0, 0]
+        symmetric = self.ctx.symmetric
+        found = symmetric.locate(flat) if symmetric is not None else None
+        if found is not None:
+            return [MAPPED, flat.ctypes.data, found[0].serial, found[1]]
+        return [REMOTE, flat.ctypes.data, 0, 0]
+
+    def _peers(self, flat: np.ndarray, rows: np.ndarray, way: int, voting: Voting) -> list[direct.Peer]:
+        """The peers' buffers in ring order after this rank, mapped or remote."""
+        rank, size, plan = self.ctx.rank, self.ctx.size, self.plan
+        if way == MAPPED:
+            found = self.ctx.symmetric.locate(flat)  # type: ignore[union-attr]
+            assert found is not None
+            return [direct.Mapped(view) for view in found[0].peers(found[1], plan.count, flat.dtype)]
+        order = [(rank + step) % size for step in range(1, size)]
+        return [
+            direct.Remote(peer, voting.pids[peer], int(rows[peer, 1]), flat, voting.scratch) for peer in order
+        ]
+
+    def _reducer(self) -> Any:
+        plan = self.plan
+        if plan.reducer is None:
+            plan.reducer = self.ctx.reducer(plan.dtype, plan.op, plan.compression)
+        return plan.reducer
+
+    # ------------------------------------------------------------------ without a vote
+
+    def _run_located(self, obj: Any, seq: int) -> bool:
+        """Symmetric memory where ranks cannot copy from each other: its descriptor names the allocation."""
+        ctx, plan, symmetric = self.ctx, self.plan, self.ctx.symmetric
+        if plan.buffer is not None or symmetric is None:
+            return False
+        found = symmetric.locate(obj)
+        if found is None:
+            return False
+        allocation, offset = found
+        if ctx.barrier_steps is None:
+            bound_barrier(ctx)
+        sync = ctx.barrier_steps
+        assert sync is not None
+        self.calls += 1
+        flat = storage_view(obj, plan.dtype)
+        desc = Descriptor("allreduce", seq, *plan.fields, allocation.label(offset))
+        signature = desc.signature()
+        peers: list[direct.Peer] = [
+            direct.Mapped(view) for view in allocation.peers(offset, plan.count, flat.dtype)
+        ]
+        lo, hi = direct.shares(plan.count, ctx.size, flat.itemsize)[ctx.rank]
+        try:
+            try:
+                sync.run(seq, signature, 0)  # every input is in place
+                direct.reduce_and_push(flat, peers, lo, hi, self._reducer())
+                sync.run(seq, signature, 1)  # every share is in every array
+            except BaseException as err:
+                ctx.fail(desc, err)
+        except BaseException as err:  # a peer past the first barrier may write any share (but on mismatch)
+            note_failure(err, 0, plan.count, plan.count)
+            raise
+        return True
+
+
+def _agreed(rows: np.ndarray) -> int:
+    """The way every rank can take: mapped at one allocation and offset, else remote, else none."""
+    ways = rows[:, 0]
+    if (ways == MAPPED).all() and len({(int(r[2]), int(r[3])) for r in rows}) == 1:
+        return MAPPED
+    return REMOTE if (ways >= REMOTE).all() else NONE
+
+
+def route_for(plan: AllreducePlan) -> DirectRoute | None:
+    """The plan's direct route where its conditions hold, alike on every rank (module docstring)."""
+    ctx, settings = plan.ctx, plan.ctx.settings
+    symmetric = ctx.symmetric
+    if (
+        ctx.size < 2
+        or ctx.transport is None
+        or not settings.direct
+        or settings.atomic
+        or plan.compression is not Compression.NONE
+        or plan.nbytes <= settings.small_bytes
+        or symmetric is None
+        or not symmetric.shared  # every rank on this host
+    ):
+        return None
+    return DirectRoute(plan)

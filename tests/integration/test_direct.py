@@ -1,0 +1,128 @@
+"""The direct allreduce of ordinary buffers across real processes (``ringcore.plans.direct``).
+
+Every rank on one host may copy to and from every other, so an allreduce above
+the small limit goes direct: the results are checked against numpy and
+against the ring (``RINGCORE_DIRECT=0``) on the same inputs. The vote sends
+ranks whose memory does not allow it (a GPU buffer among host ones) to the
+ring together; a rank that fails waits for the peers still writing into its
+buffer, and names one that does not stop.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from tests import tasks
+from tests.cluster import Background, Cluster, RankError
+from tests.gpu import tasks as gpu_tasks
+from tests.reference import check_allreduce
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists("/proc/self/fd"), reason="the direct route needs Linux's process_vm_readv"
+)
+
+KIB = 1024
+CASES = [
+    ("float32", "sum", 256 * KIB + 4),
+    ("float64", "max", 1024 * KIB + 8),
+    ("int32", "sum", 4096 * KIB),
+    ("int64", "prod", 96 * KIB),
+    ("float32", "avg", 300 * KIB + 12),
+]
+
+
+def inputs_for(rng: np.random.Generator, size: int, dtype: str, op: str, nbytes: int) -> list[np.ndarray]:
+    count = nbytes // np.dtype(dtype).itemsize
+    low, high = (1, 3) if op == "prod" else (-50, 50)
+    return [rng.integers(low, high, count).astype(dtype) for _ in range(size)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_ordinary_buffers_go_direct_and_match_numpy_and_the_ring(size: int) -> None:
+    rng = np.random.default_rng(size)
+    cases = [(dtype, op, inputs_for(rng, size, dtype, op, nbytes)) for dtype, op, nbytes in CASES]
+    with Cluster(size, env={"RINGCORE_DIRECT": "0"}, timeout=120) as cluster:
+        ring = [cluster.results(tasks.allreduce_routed, inputs, op, timeout=120) for _, op, inputs in cases]
+    with Cluster(size, timeout=120) as cluster:
+        for (dtype, op, inputs), by_ring in zip(cases, ring, strict=True):
+            for kind in ("numpy", "array"):
+                if kind == "array" and op == "prod":
+                    continue
+                reports = cluster.results(tasks.allreduce_routed, inputs, op, kind, timeout=120)
+                for rank, (report, ordinary) in enumerate(zip(reports, by_ring, strict=True)):
+                    where = f"rank {rank} {kind} {dtype} {op} {inputs[0].nbytes} bytes:"
+                    assert ordinary["direct"] == 0 and not ordinary["voted"], f"{where} RINGCORE_DIRECT=0"
+                    assert report["voted"], f"{where} no vote"
+                    assert report["direct"] == (kind == "numpy"), f"{where} the direct route did not run"
+                    check_allreduce(report["result"], inputs, op, where=where)
+                    np.testing.assert_allclose(report["result"], ordinary["result"], rtol=1e-6, err_msg=where)
+                first = reports[0]["result"]
+                for report in reports[1:]:  # each share is reduced once: every rank holds the same bits
+                    assert first.tobytes() == report["result"].tobytes()
+
+
+@pytest.mark.timeout(180)
+def test_symmetric_and_ordinary_buffers_meet_on_the_direct_route() -> None:
+    rng = np.random.default_rng(8)
+    inputs = [rng.standard_normal(200_000).astype(np.float32) for _ in range(3)]
+    with Cluster(3, timeout=60) as cluster:
+        reports = cluster.results(tasks.allreduce_symmetric_on, inputs, [0, 2], timeout=60)
+        ring = cluster.results(tasks.allreduce, inputs, "sum")
+    for rank, report in enumerate(reports):
+        assert report["error"] == "no error", (rank, report)
+    for rank, result in enumerate(ring):
+        check_allreduce(result, inputs, "sum", where=f"rank {rank}")
+
+
+@pytest.mark.timeout(180)
+def test_a_gpu_buffer_among_host_ones_sends_every_rank_to_the_ring() -> None:
+    """The vote: a (fake) GPU buffer on rank 1 makes all three ranks run the ring, and they agree."""
+    rng = np.random.default_rng(11)
+    inputs = list((rng.standard_normal((3, 100_000)) * 3).astype(np.float32))
+    with Cluster(3, timeout=60) as cluster:
+        cluster.results(gpu_tasks.use_fake, 2)
+        results = cluster.results(gpu_tasks.mixed_ring, inputs, "sum", None, timeout=60)
+        host = cluster.results(tasks.allreduce_routed, inputs, "sum", timeout=60)
+    for rank, result in enumerate(results):
+        check_allreduce(result.view(np.float32), inputs, "sum", where=f"rank {rank}, mixed")
+        assert result.tobytes() == results[0].tobytes(), "ranks disagree on the bits"
+    assert [report["direct"] for report in host] == [1, 1, 1], "all-host ranks went direct"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("fault", "error"), [("kill9", "PeerFailure"), ("stop", "CollectiveTimeout")])
+def test_a_rank_that_dies_or_stops_mid_push_into_ordinary_buffers_is_reported(fault: str, error: str) -> None:
+    env = {"RINGCORE_TIMEOUT": "4"}
+    with Cluster(3, env=env, timeout=60) as cluster:
+        args = (600_000, 1, fault, "ordinary")
+        doomed = Background(cluster, tasks.direct_then_fault, *args, ranks=[1], timeout=20)
+        reports = cluster.run(tasks.direct_then_fault, *args, ranks=[0, 2], timeout=60)
+        (victim,) = doomed.join(40)
+        assert isinstance(victim, RankError), victim
+    for rank, report in zip([0, 2], reports, strict=True):
+        assert not isinstance(report, RankError), report
+        assert report["error"] == error, (rank, report)
+        assert "rank 1" in report["message"], report["message"]
+        assert any("may hold partial sums" in note for note in report["notes"]), report["notes"]
+        stuck = [note for note in report["notes"] if "still writing into this rank's buffer" in note]
+        assert bool(stuck) == (fault == "stop"), report["notes"]  # a dead rank writes nothing more
+        assert all(note.startswith("rank 1 ") for note in stuck), stuck
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_rank_returns_only_once_no_peer_writes_into_its_buffer() -> None:
+    """Rank 1 dies; rank 2, slow, still writes into rank 0: rank 0's error waits for it (plans.direct, "Safety")."""
+    with Cluster(3, env={"RINGCORE_TIMEOUT": "20"}, timeout=60) as cluster:
+        doomed = Background(cluster, tasks.late_writer, 600_000, ranks=[1], timeout=30)
+        reports = cluster.run(tasks.late_writer, 600_000, ranks=[0, 2], timeout=60)
+        (victim,) = doomed.join(40)
+        assert isinstance(victim, RankError), victim
+    for rank, report in zip([0, 2], reports, strict=True):
+        assert not isinstance(report, RankError), report
+        assert report["error"] == "PeerFailure" and "rank 1" in report["message"], (rank, report)
+        assert report["stable"], f"rank {rank}'s buffer changed after its error was raised"
+        assert not any("still writing" in note for note in report["notes"]), report["notes"]
