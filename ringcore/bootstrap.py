@@ -347,7 +347,7 @@ AGREED_SETTINGS = {
     "RINGCORE_HIERARCHICAL": "hierarchical",
     "RINGCORE_GPU_STAGING_BYTES": "gpu_staging_bytes",
     "RINGCORE_ATOMIC": "atomic",  # allreduces on one host go direct only without it
-    "RINGCORE_DIRECT": "direct",
+    "RINGCORE_DIRECT_BYTES": "direct_bytes",
 }
 
 

@@ -58,10 +58,11 @@ class Settings:
     hierarchical: bool = True  # allreduce inside hosts, then across them, on jobs of several multi-rank hosts
     socket_buffer: int = 4 * MIB  # SO_SNDBUF/SO_RCVBUF; 0 leaves them to the kernel's autotuning (see README)
     atomic: bool = False  # a failed in-place allreduce restores the caller's buffer (one extra copy)
-    # allreduces above small_bytes on one host where every rank may copy to and from every other
-    # (process_vm_readv/writev) go direct: each rank reduces its share from the peers' buffers
-    # and writes it into theirs (ringcore.plans.direct); 0: they take the ring
-    direct: bool = True
+    # allreduces of this size and more on one host, where every rank may copy to and from every other
+    # (process_vm_readv/writev), go direct: each rank reduces its share from the peers' buffers and
+    # writes it into theirs (ringcore.plans.direct); below it only arrays from ringcore.empty do;
+    # 0: none (the ring). 1 MiB: below it the ring was faster (bench/HISTORY.md, "Ordinary buffers go direct")
+    direct_bytes: int = 1 * MIB
     spin_us: int | None = None  # busy-poll before sleeping; None: auto (see spin_seconds)
     log_level: str = "WARNING"
     secret: bytes | None = None
@@ -114,7 +115,7 @@ class Settings:
             hierarchical=reader.flag("RINGCORE_HIERARCHICAL", cls.hierarchical),
             socket_buffer=reader.size("RINGCORE_SOCKET_BUFFER", cls.socket_buffer, minimum=0),
             atomic=reader.flag("RINGCORE_ATOMIC", cls.atomic),
-            direct=reader.flag("RINGCORE_DIRECT", cls.direct),
+            direct_bytes=reader.size("RINGCORE_DIRECT_BYTES", cls.direct_bytes, minimum=0),
             spin_us=_spin(env.get("RINGCORE_SPIN_US", "auto")),
             log_level=env.get("RINGCORE_LOG_LEVEL", cls.log_level).upper(),
             secret=env["RINGCORE_SECRET"].encode() if "RINGCORE_SECRET" in env else None,

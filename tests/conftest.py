@@ -8,12 +8,12 @@ import pytest
 
 from tests import cluster
 
-RING_ONLY = {"RINGCORE_DIRECT": "0"}
+RING_ONLY = {"RINGCORE_DIRECT_BYTES": "0"}
 
 
 @pytest.fixture
 def ring_only() -> Iterator[None]:
-    """Pin a test's clusters to the ring (``RINGCORE_DIRECT=0``).
+    """Pin a test's clusters to the ring (``RINGCORE_DIRECT_BYTES=0``).
 
     For tests about the ring itself (its frames, forms, slices, fault phases,
     or bits shared with the GPU path): on one host an allreduce above the small

@@ -86,17 +86,17 @@ class Remote:
             combined before the next).
     """
 
-    __slots__ = ("address", "here", "itemsize", "pid", "rank", "scratch")
+    __slots__ = ("address", "here", "itemsize", "pid", "rank", "scratch", "scratch_at")
 
     def __init__(self, rank: int, pid: int, address: int, mine: np.ndarray, scratch: np.ndarray) -> None:
         self.rank, self.pid, self.address = rank, pid, address
-        self.here, self.itemsize = mine.ctypes.data, mine.itemsize
+        self.here, self.itemsize = _address(mine), mine.itemsize
         self.scratch = scratch.view(mine.dtype)
+        self.scratch_at = _address(scratch)
 
     def read(self, lo: int, hi: int) -> np.ndarray:
-        into = self.scratch[: hi - lo]
-        self._copy(cma.copy_in, self.address + lo * self.itemsize, into.ctypes.data, hi - lo, "read")
-        return into
+        self._copy(cma.copy_in, self.address + lo * self.itemsize, self.scratch_at, hi - lo, "read")
+        return self.scratch[: hi - lo]
 
     def write(self, mine: np.ndarray, lo: int, hi: int) -> None:
         offset = lo * self.itemsize
@@ -114,6 +114,10 @@ class Remote:
 
 
 Peer = Mapped | Remote
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
 
 
 def reduce_and_push(mine: np.ndarray, peers: list[Peer], lo: int, hi: int, reducer: Any) -> None:

@@ -15,31 +15,35 @@ the peers' buffers and writes the result into theirs
 
 When. A plan has a direct route (:func:`route_for`) when the conditions hold
 alike on every rank: a world of 2+ on one host, above ``RINGCORE_SMALL_BYTES``,
-no compression, ``RINGCORE_ATOMIC=0`` and ``RINGCORE_DIRECT=1`` (both agreed at
-init). Whether a call takes it depends on where each rank's memory lies, so the
-ranks vote, per call, in :meth:`DirectRoute.run` and nowhere else:
+no compression, ``RINGCORE_ATOMIC=0`` and ``RINGCORE_DIRECT_BYTES`` not 0 (all
+agreed at init). Whether a call takes it depends on where each rank's memory
+lies, so it is decided per call, in :meth:`DirectRoute.run` and nowhere else:
 
-- Where every rank may copy from and to every other (``ShmTransport.
-  reads_everywhere``, probed and agreed at set-up), each rank offers a row
-  ``(way, address, allocation, offset)`` in a small allreduce (the vote,
-  part ``VOTE_PART`` of the collective's tags): remote for a CPU buffer the
-  kernel can copy (not CUDA's pinned memory), mapped for symmetric memory,
-  nothing for a GPU buffer. All mapped at one allocation and offset: mapped;
-  all at least remote: remote; otherwise every rank runs its plan's own form,
-  and ranks with host and GPU buffers still meet in one ring. The vote is the
-  route's first synchronisation ("every input is in place"), so it costs no
-  more than the barrier it replaces.
-- Elsewhere (``RINGCORE_TRANSPORT=tcp``, or Yama forbids copying between ranks)
-  only symmetric memory goes direct, decided by ``locate`` alone, and the
-  descriptor names the allocation, so a rank that passed other memory fails with
-  ``MismatchError`` before any rank touches a peer's array.
+- From ``RINGCORE_DIRECT_BYTES`` (1 MiB), where every rank may copy from and to
+  every other (``ShmTransport.reads_everywhere``, probed and agreed at set-up),
+  the ranks vote: each offers a row ``(way, address, allocation, offset)`` in a
+  small allreduce (part ``VOTE_PART`` of the collective's tags): remote for a
+  CPU buffer the kernel can copy (not CUDA's pinned memory), mapped for
+  symmetric memory, nothing for a GPU buffer. All mapped at one allocation and
+  offset: mapped; all at least remote: remote; otherwise every rank runs its
+  plan's own form, and ranks with host and GPU buffers still meet in one ring.
+  The vote is the route's first synchronisation ("every input is in place"),
+  so it costs about the barrier it replaces. Below 1 MiB the ring was faster
+  on ordinary buffers (the vote, a barrier and a system call per piece and
+  peer against the ring's few steps through cached slots: ``bench/HISTORY.md``,
+  "Ordinary buffers go direct").
+- Below it, or where ranks may not copy (``RINGCORE_TRANSPORT=tcp``, Yama's
+  ``ptrace_scope``), only symmetric memory goes direct, found by ``locate``,
+  and the descriptor names the allocation, so a rank that passed other memory
+  fails with ``MismatchError`` before any rank touches a peer's array.
 
 Safety. A rank writes into its peers' buffers, and a buffer is the caller's
-again once its rank returns, even from a failure, and a peer may pass the vote
-while another fails in it (at N=4 one that died after its first round). So on
-the voting route each rank keeps a word (its addresses exchanged at set-up,
-``cma.Probe``) that peers read through ``process_vm_readv``: ``seq`` from
-before its vote until it has written its last piece, ``0`` then, ``-seq`` once
+again once its rank returns, even from a failure, and a peer may pass the first
+synchronisation while another fails in it (at N=4 one that died after its first
+round). So where ranks may copy from each other each rank keeps a word (its
+address exchanged at set-up, ``cma.Probe``) that peers read through
+``process_vm_readv``: ``seq`` from before its first synchronisation until it
+has written its last piece, ``0`` then, ``-seq`` once
 it gave up on collective ``seq``. Before writing anything, a rank reads every
 peer's word and writes nothing where one gave up (it waits in the last barrier
 for that peer's ABORT, which names the cause); a rank that gives up sets
@@ -47,13 +51,15 @@ for that peer's ABORT, which names the cause); a rank that gives up sets
 ``seq``. A store, a fence, then a read of the other's word on both sides: one of
 the two sees the other, so no rank writes into a buffer whose owner returned.
 A peer that stays stopped mid-write past the grace is named in the error's note:
-its buffer may still change. On symmetric memory without the vote there are no
-words; such an array is not to be reused after a failure (``ringcore.empty``).
+this rank's buffer may still change. Where ranks may not copy from each other
+there are no words; an array from ``ringcore.empty`` is then not to be reused
+after a failure.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -65,7 +71,7 @@ from ringcore.buffers import DTYPES, storage_view
 from ringcore.descriptor import Descriptor
 from ringcore.errors import PeerFailure
 from ringcore.ops import Compression, ReduceOp
-from ringcore.plans.barrier import BoundBarrier, bound_barrier
+from ringcore.plans.barrier import bound_barrier
 from ringcore.plans.base import run_steps
 from ringcore.slicing import note_failure
 from ringcore.transport import cma, shm_ring, wire
@@ -91,10 +97,11 @@ class Voting:
         self.pids: dict[int, int] = dict(transport.peer_pids)  # type: ignore[attr-defined]
         self.copyable = transport.copyable  # type: ignore[attr-defined]
         self.word = transport.word  # type: ignore[attr-defined]  # [0]: this rank's word
-        self.words: dict[int, int] = dict(transport.peer_words)  # type: ignore[attr-defined]
-        self.peer_word = np.zeros(1, np.int64)
+        self.words = {
+            peer: cma.Word(self.pids[peer], address)
+            for peer, address in transport.peer_words.items()  # type: ignore[attr-defined]
+        }
         self.scratch = np.empty(direct.PIECE_BYTES, np.uint8)
-        self.sync: BoundBarrier = bound_barrier(ctx)
         count = self.size * FIELDS
         schedule = recursive_doubling.allreduce(self.rank, self.size, count, 8, ctx.settings.segment_size())
         views = {buf: np.empty(count, np.int64) for buf in (*schedule.scratch, Buf.WORK)}
@@ -105,26 +112,18 @@ class Voting:
         self.steps = lockstep.bind(program, views)
         self.summer = ctx.reducer(DTYPES["int64"], ReduceOp.SUM, Compression.NONE)
 
-    def vote(self, row: list[int], seq: int, signature: int) -> np.ndarray:
+    def vote(self, row: list[int], seq: int, signature: int) -> list[list[int]]:
         """Every rank's row, in rank order: a sum of rows that are zero but for each rank's own."""
         rows = self.rows
         rows[:] = 0
         rows[self.rank * FIELDS : (self.rank + 1) * FIELDS] = row
         run_steps(self.ctx, self.steps, self.early, self.summer, seq, signature, VOTE_PART)
-        return rows.reshape(self.size, FIELDS)
-
-    def read_word(self, peer: int) -> int | None:
-        """A peer's word, read from its memory; None when it cannot be (its process is gone)."""
-        try:
-            cma.copy_in(self.pids[peer], self.words[peer], self.peer_word.ctypes.data, 8)
-        except OSError:
-            return None
-        return int(self.peer_word[0])
+        return rows.reshape(self.size, FIELDS).tolist()  # type: ignore[no-any-return]
 
     def gave_up(self, seq: int) -> int | None:
         """A peer that already gave up on ``seq``, to which nothing may be written (module docstring, "Safety")."""
-        for peer in self.words:
-            if self.read_word(peer) == -seq:
+        for peer, word in self.words.items():
+            if word.read() == -seq:
                 return peer
         return None
 
@@ -135,7 +134,7 @@ class Voting:
         deadline = time.perf_counter() + min(WRITER_GRACE, self.ctx.settings.timeout)
         writing = list(self.words)
         while writing:
-            writing = [peer for peer in writing if self.read_word(peer) == seq]
+            writing = [peer for peer in writing if self.words[peer].read() == seq]
             if not writing or time.perf_counter() > deadline:
                 break
             time.sleep(0.001)
@@ -148,49 +147,79 @@ class DirectRoute:
     def __init__(self, plan: AllreducePlan) -> None:
         self.plan, self.ctx = plan, plan.ctx
         self.calls = 0
+        self._copyable = -1  # the address of this plan's last buffer found copyable
 
     def run(self, obj: Any, seq: int) -> bool:
-        ctx = self.ctx
-        if getattr(ctx.transport, "reads_everywhere", False):
-            if ctx.direct_voting is None:  # in the turn, like everything touching the transport
-                ctx.direct_voting = Voting(ctx)
-            return self._run_voted(obj, seq, ctx.direct_voting)
-        return self._run_located(obj, seq)
+        ctx, plan = self.ctx, self.plan
+        voting = ctx.direct_voting
+        if voting is None and getattr(ctx.transport, "reads_everywhere", False):
+            voting = ctx.direct_voting = Voting(ctx)  # in the turn, like everything touching the transport
+        if voting is not None and plan.nbytes >= ctx.settings.direct_bytes:
+            flat = self._flat(obj)
+            row = self._offer(flat, voting)
 
-    # ------------------------------------------------------------------ with a vote
+            def vote() -> tuple[int, Callable[[], list[direct.Peer]]]:
+                rows = voting.vote(row, seq, plan.signature)
+                way = _agreed(rows)
+                return way, lambda: self._peers(flat, rows, way, voting)  # type: ignore[arg-type]
 
-    def _run_voted(self, obj: Any, seq: int, voting: Voting) -> bool:
-        plan, rank = self.plan, self.ctx.rank
-        flat = self._flat(obj)
-        row = self._offer(flat, voting)
-        desc = Descriptor("allreduce", seq, *plan.fields)
-        voting.word[0] = seq
-        shm_ring.fence()  # the word stored before the vote sends, so before any peer reads ours
+            desc = Descriptor("allreduce", seq, *plan.fields)
+            return self._run(flat, desc, plan.signature, DONE_PART, vote, voting)
+        symmetric = ctx.symmetric  # symmetric memory only: the descriptor names it
+        found = symmetric.locate(obj) if plan.buffer is None and symmetric is not None else None
+        if found is None:
+            return False
+        allocation, offset = found
+        flat = storage_view(obj, plan.dtype)
+        desc = Descriptor("allreduce", seq, *plan.fields, allocation.label(offset))
+        signature = desc.signature()
+
+        def meet() -> tuple[int, Callable[[], list[direct.Peer]]]:
+            bound_barrier(ctx).run(seq, signature, 0)
+            views = allocation.peers(offset, plan.count, flat.dtype)
+            return MAPPED, lambda: [direct.Mapped(view) for view in views]
+
+        return self._run(flat, desc, signature, 1, meet, voting)
+
+    def _run(
+        self,
+        flat: np.ndarray | None,
+        desc: Descriptor,
+        signature: int,
+        last_part: int,
+        agree: Callable[[], tuple[int, Callable[[], list[direct.Peer]]]],
+        voting: Voting | None,
+    ) -> bool:
+        """Agree (the first synchronisation), reduce and push, synchronise; False where the way is NONE."""
+        ctx, plan, seq = self.ctx, self.plan, desc.seq
+        if voting is not None:
+            voting.word[0] = seq
+            shm_ring.fence()  # the word stored before this rank sends, so before any peer reads ours
         try:
             try:
-                rows = voting.vote(row, seq, plan.signature)  # every input is in place
-                way = _agreed(rows)
+                way, peers = agree()  # every input is in place
                 if way == NONE:
-                    voting.word[0] = 0
+                    if voting is not None:
+                        voting.word[0] = 0
                     return False
                 assert flat is not None
                 self.calls += 1
-                gone = voting.gave_up(seq)
+                gone = voting.gave_up(seq) if voting is not None else None
                 if gone is None:
-                    peers = self._peers(flat, rows, way, voting)
-                    lo, hi = direct.shares(plan.count, self.ctx.size, flat.itemsize)[rank]
-                    direct.reduce_and_push(flat, peers, lo, hi, self._reducer())
-                voting.word[0] = 0
-                voting.sync.run(seq, plan.signature, DONE_PART)  # every share is in every buffer
-                if gone is not None:  # its ABORT, with the reason, normally fails the sync first
+                    lo, hi = direct.shares(plan.count, ctx.size, flat.itemsize)[ctx.rank]
+                    direct.reduce_and_push(flat, peers(), lo, hi, self._reducer())
+                if voting is not None:
+                    voting.word[0] = 0
+                bound_barrier(ctx).run(seq, signature, last_part)  # every share is in every buffer
+                if gone is not None:  # its ABORT, with the reason, normally fails the barrier first
                     raise PeerFailure(
                         f"rank {gone} gave up on this allreduce before this rank wrote to it", gone
                     )
             except BaseException as err:
-                self.ctx.fail(desc, err)
+                ctx.fail(desc, err)
         except BaseException as err:
-            stuck = voting.quiesce(seq)
-            note_failure(err, 0, plan.count, plan.count)  # a peer past the vote may write any share
+            stuck = voting.quiesce(seq) if voting is not None else []
+            note_failure(err, 0, plan.count, plan.count)  # a peer past the first sync may write any share
             for peer in stuck:
                 err.add_note(
                     f"rank {peer} was still writing into this rank's buffer {WRITER_GRACE:g} s after "
@@ -207,15 +236,20 @@ class DirectRoute:
         return storage_view(obj, plan.dtype)
 
     def _offer(self, flat: np.ndarray | None, voting: Voting) -> list[int]:
-        if flat is None or not flat.flags.c_contiguous or not voting.copyable(memoryview(flat)):
+        if flat is None or not flat.flags.c_contiguous:
             return [NONE, 0, 0, 0]
+        address = flat.__array_interface__["data"][0]
+        if address != self._copyable:  # this plan's last buffer the kernel could copy: asked once
+            if not voting.copyable(memoryview(flat)):
+                return [NONE, 0, 0, 0]
+            self._copyable = address
         symmetric = self.ctx.symmetric
         found = symmetric.locate(flat) if symmetric is not None else None
         if found is not None:
-            return [MAPPED, flat.ctypes.data, found[0].serial, found[1]]
-        return [REMOTE, flat.ctypes.data, 0, 0]
+            return [MAPPED, address, found[0].serial, found[1]]
+        return [REMOTE, address, 0, 0]
 
-    def _peers(self, flat: np.ndarray, rows: np.ndarray, way: int, voting: Voting) -> list[direct.Peer]:
+    def _peers(self, flat: np.ndarray, rows: list[list[int]], way: int, voting: Voting) -> list[direct.Peer]:
         """The peers' buffers in ring order after this rank, mapped or remote."""
         rank, size, plan = self.ctx.rank, self.ctx.size, self.plan
         if way == MAPPED:
@@ -223,9 +257,7 @@ class DirectRoute:
             assert found is not None
             return [direct.Mapped(view) for view in found[0].peers(found[1], plan.count, flat.dtype)]
         order = [(rank + step) % size for step in range(1, size)]
-        return [
-            direct.Remote(peer, voting.pids[peer], int(rows[peer, 1]), flat, voting.scratch) for peer in order
-        ]
+        return [direct.Remote(peer, voting.pids[peer], rows[peer][1], flat, voting.scratch) for peer in order]
 
     def _reducer(self) -> Any:
         plan = self.plan
@@ -233,48 +265,13 @@ class DirectRoute:
             plan.reducer = self.ctx.reducer(plan.dtype, plan.op, plan.compression)
         return plan.reducer
 
-    # ------------------------------------------------------------------ without a vote
 
-    def _run_located(self, obj: Any, seq: int) -> bool:
-        """Symmetric memory where ranks cannot copy from each other: its descriptor names the allocation."""
-        ctx, plan, symmetric = self.ctx, self.plan, self.ctx.symmetric
-        if plan.buffer is not None or symmetric is None:
-            return False
-        found = symmetric.locate(obj)
-        if found is None:
-            return False
-        allocation, offset = found
-        if ctx.barrier_steps is None:
-            bound_barrier(ctx)
-        sync = ctx.barrier_steps
-        assert sync is not None
-        self.calls += 1
-        flat = storage_view(obj, plan.dtype)
-        desc = Descriptor("allreduce", seq, *plan.fields, allocation.label(offset))
-        signature = desc.signature()
-        peers: list[direct.Peer] = [
-            direct.Mapped(view) for view in allocation.peers(offset, plan.count, flat.dtype)
-        ]
-        lo, hi = direct.shares(plan.count, ctx.size, flat.itemsize)[ctx.rank]
-        try:
-            try:
-                sync.run(seq, signature, 0)  # every input is in place
-                direct.reduce_and_push(flat, peers, lo, hi, self._reducer())
-                sync.run(seq, signature, 1)  # every share is in every array
-            except BaseException as err:
-                ctx.fail(desc, err)
-        except BaseException as err:  # a peer past the first barrier may write any share (but on mismatch)
-            note_failure(err, 0, plan.count, plan.count)
-            raise
-        return True
-
-
-def _agreed(rows: np.ndarray) -> int:
+def _agreed(rows: list[list[int]]) -> int:
     """The way every rank can take: mapped at one allocation and offset, else remote, else none."""
-    ways = rows[:, 0]
-    if (ways == MAPPED).all() and len({(int(r[2]), int(r[3])) for r in rows}) == 1:
-        return MAPPED
-    return REMOTE if (ways >= REMOTE).all() else NONE
+    way = min(row[0] for row in rows)
+    if way == MAPPED and len({(row[2], row[3]) for row in rows}) > 1:
+        return REMOTE
+    return way
 
 
 def route_for(plan: AllreducePlan) -> DirectRoute | None:
@@ -284,7 +281,7 @@ def route_for(plan: AllreducePlan) -> DirectRoute | None:
     if (
         ctx.size < 2
         or ctx.transport is None
-        or not settings.direct
+        or not settings.direct_bytes
         or settings.atomic
         or plan.compression is not Compression.NONE
         or plan.nbytes <= settings.small_bytes

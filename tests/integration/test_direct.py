@@ -1,8 +1,9 @@
 """The direct allreduce of ordinary buffers across real processes (``ringcore.plans.direct``).
 
-Every rank on one host may copy to and from every other, so an allreduce above
-the small limit goes direct: the results are checked against numpy and
-against the ring (``RINGCORE_DIRECT=0``) on the same inputs. The vote sends
+Every rank on one host may copy to and from every other, so an allreduce of
+``RINGCORE_DIRECT_BYTES`` (1 MiB) or more goes direct: the results are checked
+against numpy and against the ring (``RINGCORE_DIRECT_BYTES=0``) on the same
+inputs; a smaller one takes the ring. The vote sends
 ranks whose memory does not allow it (a GPU buffer among host ones) to the
 ring together; a rank that fails waits for the peers still writing into its
 buffer, and names one that does not stop.
@@ -25,12 +26,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 KIB = 1024
-CASES = [
-    ("float32", "sum", 256 * KIB + 4),
-    ("float64", "max", 1024 * KIB + 8),
-    ("int32", "sum", 4096 * KIB),
-    ("int64", "prod", 96 * KIB),
-    ("float32", "avg", 300 * KIB + 12),
+MIB = 1024 * KIB
+CASES = [  # (dtype, op, bytes): all but the last at or above RINGCORE_DIRECT_BYTES
+    ("float32", "sum", MIB + 4),
+    ("float64", "max", 2 * MIB + 8),
+    ("int32", "sum", 4 * MIB),
+    ("int64", "prod", MIB),
+    ("float32", "avg", 3 * MIB + 12),
+    ("float32", "sum", 256 * KIB),
 ]
 
 
@@ -45,7 +48,7 @@ def inputs_for(rng: np.random.Generator, size: int, dtype: str, op: str, nbytes:
 def test_ordinary_buffers_go_direct_and_match_numpy_and_the_ring(size: int) -> None:
     rng = np.random.default_rng(size)
     cases = [(dtype, op, inputs_for(rng, size, dtype, op, nbytes)) for dtype, op, nbytes in CASES]
-    with Cluster(size, env={"RINGCORE_DIRECT": "0"}, timeout=120) as cluster:
+    with Cluster(size, env={"RINGCORE_DIRECT_BYTES": "0"}, timeout=120) as cluster:
         ring = [cluster.results(tasks.allreduce_routed, inputs, op, timeout=120) for _, op, inputs in cases]
     with Cluster(size, timeout=120) as cluster:
         for (dtype, op, inputs), by_ring in zip(cases, ring, strict=True):
@@ -55,9 +58,12 @@ def test_ordinary_buffers_go_direct_and_match_numpy_and_the_ring(size: int) -> N
                 reports = cluster.results(tasks.allreduce_routed, inputs, op, kind, timeout=120)
                 for rank, (report, ordinary) in enumerate(zip(reports, by_ring, strict=True)):
                     where = f"rank {rank} {kind} {dtype} {op} {inputs[0].nbytes} bytes:"
-                    assert ordinary["direct"] == 0 and not ordinary["voted"], f"{where} RINGCORE_DIRECT=0"
+                    assert ordinary["direct"] == 0 and not ordinary["voted"], (
+                        f"{where} RINGCORE_DIRECT_BYTES=0"
+                    )
                     assert report["voted"], f"{where} no vote"
-                    assert report["direct"] == (kind == "numpy"), f"{where} the direct route did not run"
+                    direct = kind == "numpy" and inputs[0].nbytes >= MIB
+                    assert report["direct"] == direct, f"{where} the direct route ran: {report['direct']}"
                     check_allreduce(report["result"], inputs, op, where=where)
                     np.testing.assert_allclose(report["result"], ordinary["result"], rtol=1e-6, err_msg=where)
                 first = reports[0]["result"]
@@ -68,7 +74,7 @@ def test_ordinary_buffers_go_direct_and_match_numpy_and_the_ring(size: int) -> N
 @pytest.mark.timeout(180)
 def test_symmetric_and_ordinary_buffers_meet_on_the_direct_route() -> None:
     rng = np.random.default_rng(8)
-    inputs = [rng.standard_normal(200_000).astype(np.float32) for _ in range(3)]
+    inputs = [rng.standard_normal(300_000).astype(np.float32) for _ in range(3)]  # 1.2 MB: a vote
     with Cluster(3, timeout=60) as cluster:
         reports = cluster.results(tasks.allreduce_symmetric_on, inputs, [0, 2], timeout=60)
         ring = cluster.results(tasks.allreduce, inputs, "sum")
@@ -82,7 +88,7 @@ def test_symmetric_and_ordinary_buffers_meet_on_the_direct_route() -> None:
 def test_a_gpu_buffer_among_host_ones_sends_every_rank_to_the_ring() -> None:
     """The vote: a (fake) GPU buffer on rank 1 makes all three ranks run the ring, and they agree."""
     rng = np.random.default_rng(11)
-    inputs = list((rng.standard_normal((3, 100_000)) * 3).astype(np.float32))
+    inputs = list((rng.standard_normal((3, 300_000)) * 3).astype(np.float32))  # 1.2 MB: a vote
     with Cluster(3, timeout=60) as cluster:
         cluster.results(gpu_tasks.use_fake, 2)
         results = cluster.results(gpu_tasks.mixed_ring, inputs, "sum", None, timeout=60)
