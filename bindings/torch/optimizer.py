@@ -288,11 +288,12 @@ def _symmetric_buffers(
     """Flat buffers in symmetric memory for the buckets whose allreduce can go direct (module docstring).
 
     CPU buckets of several gradients, above ``RINGCORE_SMALL_BYTES``, not
-    bfloat16, with no fp16 on the wire and ``RINGCORE_ATOMIC=0``: the same
-    buckets on every rank (the layout check covers what decides them).
+    bfloat16, with no fp16 on the wire, ``RINGCORE_ATOMIC=0`` and
+    ``RINGCORE_DIRECT_BYTES`` not 0: the same buckets on every rank (the layout
+    check covers what decides them).
     """
     buffers: dict[int, torch.Tensor] = {}
-    if comm.settings.atomic:
+    if comm.settings.atomic or not comm.settings.direct_bytes:
         return buffers
     for bucket in buckets:
         if len(bucket.params) < 2 or bucket.device.type != "cpu" or bucket.dtype is torch.bfloat16:

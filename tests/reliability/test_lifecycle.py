@@ -22,6 +22,7 @@ import pytest
 
 from tests import tasks
 from tests.cluster import Cluster, collect, free_port
+from tests.conftest import RING_ONLY
 
 REPO = Path(__file__).resolve().parents[2]
 CYCLES = 5
@@ -74,6 +75,7 @@ def test_reinit_after_a_peer_was_killed(tmp_path: Path) -> None:
         "RINGCORE_INIT_TIMEOUT": "20",
         "RINGCORE_SEGMENT_BYTES": "64K",
         "RINGCORE_SECRET": "reinit",
+        **RING_ONLY,  # the fault strikes the ring's scatter-reduce
     }
     stamp = str(tmp_path / "fault_at")
     reports = spawn_ranks(tasks.reinit_after_failure, lambda r: (r, ports, env, stamp), [0, 1, 2], 2, 80)
