@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -77,14 +77,29 @@ from ringcore.slicing import note_failure
 from ringcore.transport import cma, shm_ring, wire
 
 if TYPE_CHECKING:
+    from ringcore.buffers import Buffer, DType
     from ringcore.context import Context
-    from ringcore.plans.allreduce import AllreducePlan
 
 NONE, REMOTE, MAPPED = 0, 1, 2  # a rank's offer in the vote
 FIELDS = 4  # way, address, allocation serial, byte offset
 VOTE_PART = (1 << wire.PART_BITS) - 1  # tags apart from the ring's parts, which may follow the vote
 DONE_PART = VOTE_PART - 1
 WRITER_GRACE = 10.0  # seconds a failing rank waits for peers still writing into its buffer
+
+
+class RoutedPlan(Protocol):
+    """What the route reads of its allreduce plan (:class:`ringcore.plans.allreduce.AllreducePlan`)."""
+
+    ctx: Context
+    dtype: DType
+    op: ReduceOp
+    compression: Compression
+    count: int
+    nbytes: int
+    fields: tuple[Any, ...]
+    signature: int
+    buffer: Buffer | None  # a one-call plan's validated buffer; None: a kept plan's, per call
+    reducer: Any
 
 
 class Voting:
@@ -144,7 +159,7 @@ class Voting:
 class DirectRoute:
     """One plan's direct route (module docstring); ``run(obj, seq)`` False: the plan's form runs instead."""
 
-    def __init__(self, plan: AllreducePlan) -> None:
+    def __init__(self, plan: RoutedPlan) -> None:
         self.plan, self.ctx = plan, plan.ctx
         self.calls = 0
         self._copyable = -1  # the address of this plan's last buffer found copyable
@@ -274,7 +289,7 @@ def _agreed(rows: list[list[int]]) -> int:
     return way
 
 
-def route_for(plan: AllreducePlan) -> DirectRoute | None:
+def route_for(plan: RoutedPlan) -> DirectRoute | None:
     """The plan's direct route where its conditions hold, alike on every rank (module docstring)."""
     ctx, settings = plan.ctx, plan.ctx.settings
     symmetric = ctx.symmetric
