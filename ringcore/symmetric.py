@@ -29,10 +29,14 @@ restricts attaching, which ``process_vm_readv`` needs, not this); once it
 returns, no descriptor names it. The memfd is sealed against shrinking, so no
 peer's read can fault.
 An allocation has a number (``serial``) that counts the collective
-allocations of the communicator, the same on every rank; a collective on
-symmetric memory carries the serial and offset in its signature, so ranks
-that passed different allocations, or one where another passed ordinary
-memory, fail with ``MismatchError`` before any rank reads a peer's memory.
+allocations of the communicator, the same on every rank. Where the ranks vote
+on the direct route (:mod:`ringcore.plans.direct`: from ``RINGCORE_DIRECT_BYTES``,
+where they may copy from each other) the vote compares serials and offsets,
+and ranks that passed different memory meet through the kernel instead.
+Elsewhere a collective on symmetric memory carries the serial and offset in
+its signature, so ranks that passed different allocations, or one where
+another passed ordinary memory, fail with ``MismatchError`` before any rank
+reads a peer's memory.
 
 Scope. Mapping peers needs every rank on this host (``local_size == size``);
 in a job across hosts ``empty`` allocates locally and nothing is exchanged.

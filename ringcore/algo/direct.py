@@ -1,10 +1,11 @@
 """The direct allreduce: each rank reduces its share from the peers' buffers and writes it into theirs.
 
 Where every rank can read and write every other's buffer, an allreduce needs
-no frames of data. A peer's buffer is reached one of two ways: :class:`Mapped`
-(symmetric memory, :mod:`ringcore.symmetric`: loads and stores) or
-:class:`Remote` (any buffer of a process on this host: ``process_vm_readv``
-into a piece of scratch, ``process_vm_writev`` back, :mod:`ringcore.transport.cma`).
+no frames of data. A peer's buffer is a :class:`Peer`, reached one of two
+ways: :class:`Mapped` (symmetric memory, :mod:`ringcore.symmetric`: loads and
+stores) or through the kernel (any buffer of a process on this host:
+``process_vm_readv`` into a piece of scratch, ``process_vm_writev`` back,
+:class:`ringcore.plans.direct.Remote`).
 With ``N`` ranks the elements are cut into ``N`` shares (:func:`shares`, on
 64-byte boundaries from the array's start: no two ranks write one cache line
 of an aligned array), and rank ``r``::
@@ -22,7 +23,7 @@ pass over its share reading all ``N`` inputs, and ``N-1`` copies of it: the
 memory traffic of a ring's data alone, without the ring's copies through
 slots. Pushing beats pulling the peers' shares after a third
 synchronisation: on symmetric memory by 2-3x at 1 MiB (N=2: 103 against 326
-us per allreduce), through the kernel by 1.15-1.5x from 1 to 64 MiB: the lines
+us per allreduce), through the kernel by 1.1-1.5x from 1 to 64 MiB: the lines
 a rank writes into a peer's buffer are the ones it has just read and reduced,
 while pulled lines sit modified in the other core's cache (``bench/HISTORY.md``,
 "Symmetric memory", "Ordinary buffers go direct").
@@ -37,15 +38,10 @@ sync 1 before this rank notices that another died).
 
 from __future__ import annotations
 
-import errno
 import itertools
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-
-from ringcore.errors import PeerFailure
-from ringcore.transport import cma
 
 ALIGN_BYTES = 64
 PIECE_BYTES = 256 * 1024  # a share is reduced and pushed piece by piece, each piece still in L2
@@ -75,49 +71,13 @@ class Mapped:
         self.array[lo:hi] = mine[lo:hi]
 
 
-class Remote:
-    """A peer's buffer in its own process, copied from and to with one system call per piece (``cma``).
+class Peer(Protocol):
+    """A peer's buffer as the route reaches it: :class:`Mapped` here, or through the kernel
+    (:class:`ringcore.plans.direct.Remote`)."""
 
-    Args:
-        rank, pid: the peer and its process.
-        address: where the peer's buffer starts, in its process.
-        mine: this rank's buffer (the same layout).
-        scratch: a piece's room, where :meth:`read` lands (shared by the peers: each read is
-            combined before the next).
-    """
+    def read(self, lo: int, hi: int) -> np.ndarray: ...
 
-    __slots__ = ("address", "here", "itemsize", "pid", "rank", "scratch", "scratch_at")
-
-    def __init__(self, rank: int, pid: int, address: int, mine: np.ndarray, scratch: np.ndarray) -> None:
-        self.rank, self.pid, self.address = rank, pid, address
-        self.here, self.itemsize = _address(mine), mine.itemsize
-        self.scratch = scratch.view(mine.dtype)
-        self.scratch_at = _address(scratch)
-
-    def read(self, lo: int, hi: int) -> np.ndarray:
-        self._copy(cma.copy_in, self.address + lo * self.itemsize, self.scratch_at, hi - lo, "read")
-        return self.scratch[: hi - lo]
-
-    def write(self, mine: np.ndarray, lo: int, hi: int) -> None:
-        offset = lo * self.itemsize
-        self._copy(cma.copy_out, self.here + offset, self.address + offset, hi - lo, "write")
-
-    def _copy(
-        self, copy: Callable[[int, int, int, int], None], src: int, dst: int, count: int, what: str
-    ) -> None:
-        try:
-            copy(self.pid, src, dst, count * self.itemsize)
-        except OSError as err:
-            gone = err.errno == errno.ESRCH
-            why = "its process is gone" if gone else (err.strerror or str(err))
-            raise PeerFailure(f"rank {self.rank}: could not {what} its buffer ({why})", self.rank) from None
-
-
-Peer = Mapped | Remote
-
-
-def _address(array: np.ndarray) -> int:
-    return int(array.__array_interface__["data"][0])
+    def write(self, mine: np.ndarray, lo: int, hi: int) -> None: ...
 
 
 def reduce_and_push(mine: np.ndarray, peers: list[Peer], lo: int, hi: int, reducer: Any) -> None:
@@ -126,7 +86,7 @@ def reduce_and_push(mine: np.ndarray, peers: list[Peer], lo: int, hi: int, reduc
     Each piece is pushed while it is still in this core's cache: against the
     whole share reduced and then pushed, 0.65-0.83x the time at N=2 4-64 MiB
     and 0.62-0.81x at N=4 4-16 MiB (``bench/HISTORY.md``, "Symmetric memory").
-    A :class:`Remote` peer's pieces are read into scratch of ``PIECE_BYTES``.
+    A peer reached through the kernel reads its pieces into scratch of ``PIECE_BYTES``.
     """
     step = max(1, PIECE_BYTES // mine.itemsize)
     for start in range(lo, hi, step):

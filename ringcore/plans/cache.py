@@ -67,8 +67,8 @@ class PlanCache:
     def stats(self) -> dict[str, Any]:
         """``layouts``, ``scratch_bytes`` held, and per form the ``forms`` (layouts) and ``calls`` they ran.
 
-        Calls on symmetric memory (the direct allreduce, chosen per call) count
-        under ``calls["direct"]``, not under their plan's form.
+        Calls that went direct (:mod:`ringcore.plans.direct`, chosen per call)
+        count under ``calls["direct"]``, not under their plan's form.
         """
         forms: Counter[str] = Counter()
         calls: Counter[str] = Counter()

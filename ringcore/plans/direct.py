@@ -6,7 +6,7 @@ the peers' buffers and writes the result into theirs
 (:mod:`ringcore.algo.direct`). Two ways in:
 
 - **remote**: any CPU buffer, through ``process_vm_readv``/``process_vm_writev``
-  (:class:`ringcore.algo.direct.Remote`: a piece is read into a scratch that
+  (:class:`Remote`: a piece is read into a scratch that
   stays in cache, combined, and written back to every peer, one system call per
   piece and peer). Open MPI's single copy does the same reads; here the ranks
   write their reduced shares too, so there is no second round of copies.
@@ -20,7 +20,7 @@ agreed at init). Whether a call takes it depends on where each rank's memory
 lies, so it is decided per call, in :meth:`DirectRoute.run` and nowhere else:
 
 - From ``RINGCORE_DIRECT_BYTES`` (1 MiB), where every rank may copy from and to
-  every other (``ShmTransport.reads_everywhere``, probed and agreed at set-up),
+  every other (``ShmTransport.copies_everywhere``, probed and agreed at set-up),
   the ranks vote: each offers a row ``(way, address, allocation, offset)`` in a
   small allreduce (part ``VOTE_PART`` of the collective's tags): remote for a
   CPU buffer the kernel can copy (not CUDA's pinned memory), mapped for
@@ -28,7 +28,8 @@ lies, so it is decided per call, in :meth:`DirectRoute.run` and nowhere else:
   offset: mapped; all at least remote: remote; otherwise every rank runs its
   plan's own form, and ranks with host and GPU buffers still meet in one ring.
   The vote is the route's first synchronisation ("every input is in place"),
-  so it costs about the barrier it replaces. Below 1 MiB the ring was faster
+  so it costs about the barrier it replaces; where it sends everyone to the
+  ring (a job whose ranks all pass GPU buffers) it is one small allreduce more. Below 1 MiB the ring was faster
   on ordinary buffers (the vote, a barrier and a system call per piece and
   peer against the ring's few steps through cached slots: ``bench/HISTORY.md``,
   "Ordinary buffers go direct").
@@ -58,6 +59,7 @@ after a failure.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -75,6 +77,7 @@ from ringcore.plans.barrier import bound_barrier
 from ringcore.plans.base import run_steps
 from ringcore.slicing import note_failure
 from ringcore.transport import cma, shm_ring, wire
+from ringcore.transport.shm import ShmTransport
 
 if TYPE_CHECKING:
     from ringcore.buffers import Buffer, DType
@@ -82,9 +85,55 @@ if TYPE_CHECKING:
 
 NONE, REMOTE, MAPPED = 0, 1, 2  # a rank's offer in the vote
 FIELDS = 4  # way, address, allocation serial, byte offset
-VOTE_PART = (1 << wire.PART_BITS) - 1  # tags apart from the ring's parts, which may follow the vote
+VOTE_PART = (1 << wire.PART_BITS) - 1  # not part 0, with which the ring may follow the vote
 DONE_PART = VOTE_PART - 1
 WRITER_GRACE = 10.0  # seconds a failing rank waits for peers still writing into its buffer
+
+
+class Remote:
+    """A peer's buffer in its own process, copied from and to with one system call per piece (``cma``).
+
+    Args:
+        rank, pid, host: the peer, its process and its ``host:port`` (for errors).
+        address: where the peer's buffer starts, in its process.
+        mine: this rank's buffer (the same layout).
+        scratch: a piece's room, where :meth:`read` lands (shared by the peers: each read is
+            combined before the next).
+    """
+
+    __slots__ = ("address", "here", "host", "itemsize", "pid", "rank", "scratch", "scratch_at")
+
+    def __init__(
+        self, rank: int, pid: int, address: int, mine: np.ndarray, scratch: np.ndarray, host: str = ""
+    ) -> None:
+        self.rank, self.pid, self.address, self.host = rank, pid, address, host
+        self.here, self.itemsize = _address(mine), mine.itemsize
+        self.scratch = scratch.view(mine.dtype)
+        self.scratch_at = _address(scratch)
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        self._copy(cma.copy_in, self.address + lo * self.itemsize, self.scratch_at, hi - lo, "read")
+        return self.scratch[: hi - lo]
+
+    def write(self, mine: np.ndarray, lo: int, hi: int) -> None:
+        offset = lo * self.itemsize
+        self._copy(cma.copy_out, self.here + offset, self.address + offset, hi - lo, "write")
+
+    def _copy(
+        self, copy: Callable[[int, int, int, int], None], src: int, dst: int, count: int, what: str
+    ) -> None:
+        try:
+            copy(self.pid, src, dst, count * self.itemsize)
+        except OSError as err:
+            gone = err.errno == errno.ESRCH
+            why = "its process is gone" if gone else (err.strerror or str(err))
+            raise PeerFailure(
+                f"rank {self.rank}: could not {what} its buffer ({why})", self.rank, self.host
+            ) from None
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
 
 
 class RoutedPlan(Protocol):
@@ -105,17 +154,16 @@ class RoutedPlan(Protocol):
 class Voting:
     """One context's means for the voting route, made in the first call's turn."""
 
-    def __init__(self, ctx: Context) -> None:
-        transport = ctx.transport
-        assert transport is not None
+    def __init__(self, ctx: Context, transport: ShmTransport) -> None:
         self.ctx, self.rank, self.size = ctx, ctx.rank, ctx.size
-        self.pids: dict[int, int] = dict(transport.peer_pids)  # type: ignore[attr-defined]
-        self.copyable = transport.copyable  # type: ignore[attr-defined]
-        self.word = transport.word  # type: ignore[attr-defined]  # [0]: this rank's word
+        self.pids = dict(transport.peer_pids)
+        self.hosts = {peer: transport.peer_name(peer) for peer in self.pids}
+        self.copyable = transport.copyable
+        self.word = transport.word  # [0]: this rank's word
         self.words = {
-            peer: cma.Word(self.pids[peer], address)
-            for peer, address in transport.peer_words.items()  # type: ignore[attr-defined]
+            peer: cma.Word(self.pids[peer], address) for peer, address in transport.peer_words.items()
         }
+        self.calls = 0  # calls that went direct after a vote, every plan's (one-call plans' too)
         self.scratch = np.empty(direct.PIECE_BYTES, np.uint8)
         count = self.size * FIELDS
         schedule = recursive_doubling.allreduce(self.rank, self.size, count, 8, ctx.settings.segment_size())
@@ -136,17 +184,22 @@ class Voting:
         return rows.reshape(self.size, FIELDS).tolist()  # type: ignore[no-any-return]
 
     def gave_up(self, seq: int) -> int | None:
-        """A peer that already gave up on ``seq``, to which nothing may be written (module docstring, "Safety")."""
+        """A peer that gave up on ``seq``, or whose process is gone: nothing may be written (module docstring)."""
         for peer, word in self.words.items():
-            if word.read() == -seq:
+            value = word.read()
+            if value is None or value == -seq:  # a gone pid may name another process by now
                 return peer
         return None
 
+    def grace(self) -> float:
+        """Seconds a rank that gave up waits for peers still writing into its buffer."""
+        return min(WRITER_GRACE, self.ctx.settings.timeout)
+
     def quiesce(self, seq: int) -> list[int]:
-        """Say this rank gave up on ``seq``; wait for peers still writing to it; those that did not stop."""
+        """Say this rank gave up on ``seq``; wait for peers not done with it; those that did not finish."""
         self.word[0] = -seq
         shm_ring.fence()  # the word stored before the peers' are read
-        deadline = time.perf_counter() + min(WRITER_GRACE, self.ctx.settings.timeout)
+        deadline = time.perf_counter() + self.grace()
         writing = list(self.words)
         while writing:
             writing = [peer for peer in writing if self.words[peer].read() == seq]
@@ -166,19 +219,25 @@ class DirectRoute:
 
     def run(self, obj: Any, seq: int) -> bool:
         ctx, plan = self.ctx, self.plan
+        transport = ctx.transport
         voting = ctx.direct_voting
-        if voting is None and getattr(ctx.transport, "reads_everywhere", False):
-            voting = ctx.direct_voting = Voting(ctx)  # in the turn, like everything touching the transport
+        if voting is None and isinstance(transport, ShmTransport) and transport.copies_everywhere:
+            voting = ctx.direct_voting = Voting(
+                ctx, transport
+            )  # in the turn, as all that touches the transport
         if voting is not None and plan.nbytes >= ctx.settings.direct_bytes:
-            flat = self._flat(obj)
-            row = self._offer(flat, voting)
+            desc = Descriptor("allreduce", seq, *plan.fields)
+            try:
+                flat = self._flat(obj)
+                row = self._offer(flat, voting)
+            except BaseException as err:  # the peers are in the vote already: tell them
+                ctx.fail(desc, err)
 
             def vote() -> tuple[int, Callable[[], list[direct.Peer]]]:
                 rows = voting.vote(row, seq, plan.signature)
                 way = _agreed(rows)
                 return way, lambda: self._peers(flat, rows, way, voting)  # type: ignore[arg-type]
 
-            desc = Descriptor("allreduce", seq, *plan.fields)
             return self._run(flat, desc, plan.signature, DONE_PART, vote, voting)
         symmetric = ctx.symmetric  # symmetric memory only: the descriptor names it
         found = symmetric.locate(obj) if plan.buffer is None and symmetric is not None else None
@@ -219,6 +278,8 @@ class DirectRoute:
                     return False
                 assert flat is not None
                 self.calls += 1
+                if voting is not None:
+                    voting.calls += 1
                 gone = voting.gave_up(seq) if voting is not None else None
                 if gone is None:
                     lo, hi = direct.shares(plan.count, ctx.size, flat.itemsize)[ctx.rank]
@@ -237,8 +298,8 @@ class DirectRoute:
             note_failure(err, 0, plan.count, plan.count)  # a peer past the first sync may write any share
             for peer in stuck:
                 err.add_note(
-                    f"rank {peer} was still writing into this rank's buffer {WRITER_GRACE:g} s after "
-                    "this rank gave up (stopped?): the buffer may change after this error; do not reuse it"
+                    f"rank {peer} had not finished writing into this rank's buffer {voting.grace():g} s "  # type: ignore[union-attr]
+                    "after this rank gave up (stopped?): the buffer may still change; do not reuse it"
                 )
             raise
         return True
@@ -272,7 +333,8 @@ class DirectRoute:
             assert found is not None
             return [direct.Mapped(view) for view in found[0].peers(found[1], plan.count, flat.dtype)]
         order = [(rank + step) % size for step in range(1, size)]
-        return [direct.Remote(peer, voting.pids[peer], rows[peer][1], flat, voting.scratch) for peer in order]
+        scratch, pids, hosts = voting.scratch, voting.pids, voting.hosts
+        return [Remote(peer, pids[peer], rows[peer][1], flat, scratch, hosts[peer]) for peer in order]
 
     def _reducer(self) -> Any:
         plan = self.plan

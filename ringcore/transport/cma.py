@@ -90,8 +90,8 @@ def _transfer(function: ctypes._CFuncPtr, pid: int, here: int, length: int, ther
 class Word:
     """An 8-byte word at a fixed address in another process, read again and again cheaply.
 
-    The direct allreduce reads each peer's word twice per call
-    (:mod:`ringcore.plans.direct`, "Safety"): the iovecs are built once.
+    The direct allreduce reads each peer's word in every call, and in a loop
+    after a failure (:mod:`ringcore.plans.direct`, "Safety"): the iovecs are built once.
     """
 
     def __init__(self, pid: int, address: int) -> None:
@@ -120,7 +120,7 @@ class Probe:
     def __init__(self) -> None:
         self.token = bytearray(os.urandom(16))
         self.address = view_address(memoryview(self.token))
-        self.word = (ctypes.c_int64 * 8)()  # [0]: the word; a cache line of its own
+        self.word = (ctypes.c_int64 * 8)()  # [0]: the word; 64 bytes of its own
         _KEPT.append(self.word)
 
     def record(self) -> dict[str, int | bytes]:
@@ -154,6 +154,26 @@ def readable(record: dict[str, object]) -> bool:
     except OSError:
         return False
     return bytes(into) == token
+
+
+def writable(record: dict[str, object]) -> bool:
+    """Whether this process may also write the peer's memory: its probe token, written back unchanged.
+
+    ``process_vm_writev`` passes the same permission check as reads, but a
+    seccomp filter may allow one and not the other. Call it only where
+    :func:`readable` said yes: it writes the token's own bytes.
+    """
+    if _LIBC is None:
+        return False
+    token, pid, address = record.get("token"), record.get("pid"), record.get("address")
+    if not (isinstance(token, bytes) and isinstance(pid, int) and isinstance(address, int)) or not token:
+        return False
+    data = (ctypes.c_char * len(token)).from_buffer_copy(token)
+    try:
+        copy_out(pid, ctypes.addressof(data), address, len(token))
+    except OSError:
+        return False
+    return True
 
 
 class Copyable:

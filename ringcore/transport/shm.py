@@ -423,7 +423,7 @@ class ShmTransport:
         self.point_from = point_from or {}
         self.peer_pids = peer_pids or {}
         self.copyable = copyable = cma.Copyable()  # which of this rank's buffers peers may copy from
-        self.reads_everywhere = False  # every rank may copy from and to every other (shm_setup agrees on it)
+        self.copies_everywhere = False  # every rank may copy from and to every other (shm_setup agrees on it)
         self.word: Any = None  # this rank's word for the direct allreduce, and the peers' addresses of theirs
         self.peer_words: dict[int, int] = {}  # (ringcore.plans.direct, "Safety"; set by shm_setup)
         self.pointing = [True]  # whether the running collective points (expect), seen by every link

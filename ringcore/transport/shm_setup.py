@@ -98,15 +98,17 @@ def connect(
         doorbell = _make_doorbell() if local else None
         offers = {peer: _offer(peer, rings[peer], shm_bytes, made, doorbell) for peer in local}
         for peer in local:
-            offers[peer]["reads"] = cma.readable(theirs[peer].get("memory") or {})
+            record = theirs[peer].get("memory") or {}
+            offers[peer]["reads"] = cma.readable(record)
+            offers[peer]["writes"] = offers[peer]["reads"] and cma.writable(record)
         answers = _exchange(control, {peer: offers.get(peer, {}) for peer in peers}, timeout)
         if probe is not None:
             shm_ring.unlink(probe)
         for peer in local:
             if peer in made and answers[peer].get("segment"):
                 _attach(peer, answers[peer], mapped, bells)
-        reads_all = len(local) == len(peers) and all(offers[peer]["reads"] for peer in local)
-        said = {peer: {"mapped": peer in mapped, "reads_all": reads_all} for peer in peers}
+        copies_all = len(local) == len(peers) and all(offers[peer]["writes"] for peer in local)
+        said = {peer: {"mapped": peer in mapped, "copies_all": copies_all} for peer in peers}
         done = _exchange(control, said, timeout)
     except BaseException:
         for segment in (*made.values(), *mapped.values()):
@@ -133,7 +135,7 @@ def connect(
     transport = _assemble(
         control, made, mapped, answers, done, links, ours, bells, point_from, peer_pids, cache
     )
-    transport.reads_everywhere = reads_all and all(done[peer].get("reads_all") for peer in peers)
+    transport.copies_everywhere = copies_all and all(done[peer].get("copies_all") for peer in peers)
     transport.word = memory.word
     transport.peer_words = {peer: int(theirs[peer]["memory"].get("word", 0)) for peer in peer_pids}
     return transport

@@ -33,9 +33,10 @@ from tests.cluster import (
     qualified,
     read_stamp,
 )
+from tests.conftest import RING_ONLY
 
 DETECTION_BOUND = 30.0  # seconds from the kill to every survivor's error
-BIG = 2_000_000  # float32 elements (8 MB): the ring path, many segments per step
+BIG = 2_000_000  # float32 elements (8 MB): many segments per step on the ring; direct where allowed
 
 
 def others(size: int, victim: int) -> list[int]:
@@ -140,10 +141,18 @@ def test_failed_allreduce_leaves_buffer_untouched() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("route", ["ring", "default"])
 @pytest.mark.parametrize(("size", "victim"), [(3, 1), (4, 0), (5, 4)])
-def test_sigkill_mid_allreduce_fails_every_survivor(size: int, victim: int, tmp_path: Path) -> None:
-    """Rank 0 hosts the rendezvous store, so killing it is a case of its own."""
-    with Cluster(size, env={"RINGCORE_TIMEOUT": "20"}) as cluster:
+def test_sigkill_mid_allreduce_fails_every_survivor(
+    size: int, victim: int, route: str, tmp_path: Path
+) -> None:
+    """Rank 0 hosts the rendezvous store, so killing it is a case of its own.
+
+    ``default`` goes direct on one host where ranks may copy from each other: the victim dies
+    in the vote, the route's first synchronisation (it sends nothing else).
+    """
+    env = {"RINGCORE_TIMEOUT": "20", **(RING_ONLY if route == "ring" else {})}
+    with Cluster(size, env=env) as cluster:
         survivors, reports, killed_at = kill_mid_allreduce(
             cluster, victim, tmp_path / "killed_at", BIG, join_timeout=DETECTION_BOUND + 30
         )
@@ -208,7 +217,7 @@ def test_stopped_rank_times_out(tmp_path: Path) -> None:
     """
     victim, survivors = 1, [0, 2]
     fault = (victim, "sigstop", str(tmp_path / "stopped_at"), 0.5)
-    with Cluster(3, env={"RINGCORE_TIMEOUT": "3"}) as cluster:
+    with Cluster(3, env={"RINGCORE_TIMEOUT": "3", **RING_ONLY}) as cluster:  # the ring's receives
         try:
             stopped = Background(
                 cluster, tasks.allreduce_until_failure, BIG, 3, fault, ranks=[victim], timeout=90

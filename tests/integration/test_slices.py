@@ -20,6 +20,8 @@ from ringcore.slicing import allreduce_schedule, buffer_slices, failure_note
 from tests import tasks
 from tests.cluster import Background, Cluster, RankError, qualified
 
+pytestmark = pytest.mark.usefixtures("ring_only")  # the ring's slices, not the direct route
+
 SLICED = {"RINGCORE_SLICE_BYTES": "64K", "RINGCORE_TIMEOUT": "20"}
 COUNT = 100_003  # float32: 7 equal slices (within 7 elements) of at most 64 KiB
 

@@ -23,10 +23,17 @@ KIB = 1024
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("size", "transport"), [(2, "shm"), (3, "shm"), (4, "shm"), (3, "tcp")])
-def test_direct_allreduce_matches_numpy_and_the_ring(size: int, transport: str) -> None:
+@pytest.mark.parametrize(
+    ("size", "transport", "direct_bytes"),
+    [(2, "shm", "1G"), (3, "shm", "1G"), (4, "shm", "1G"), (3, "tcp", "1G"), (3, "shm", "1M")],
+)
+def test_direct_allreduce_matches_numpy_and_the_ring(size: int, transport: str, direct_bytes: str) -> None:
+    """Against the ring on ordinary arrays (``RINGCORE_DIRECT_BYTES=1G``: only symmetric memory goes direct).
+
+    At the default 1M the cases from 1 MiB vote, and the ordinary arrays beside them go direct too.
+    """
     rng = np.random.default_rng(size)
-    env = {**SHM, "RINGCORE_TRANSPORT": transport}
+    env = {**SHM, "RINGCORE_TRANSPORT": transport, "RINGCORE_DIRECT_BYTES": direct_bytes}
     cases = [
         ("float32", "sum", 256 * KIB, 0),
         ("float64", "max", 1024 * KIB + 8, 3),

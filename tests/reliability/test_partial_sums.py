@@ -31,6 +31,10 @@ import ringcore
 from tests import tasks
 from tests.cluster import Background, Cluster, RankError, qualified
 
+# the ring, halving-doubling and slices, whose steps the victim dies in (the direct route:
+# tests/integration/test_direct.py)
+pytestmark = pytest.mark.usefixtures("ring_only")
+
 RING = {"RINGCORE_SEGMENT_BYTES": "64K", "RINGCORE_HALVING_BYTES": "0", "RINGCORE_SLICE_BYTES": "48M"}
 SLICED = {"RINGCORE_SEGMENT_BYTES": "16K", "RINGCORE_SLICE_BYTES": "64K", "RINGCORE_SMALL_BYTES": "4K"}
 

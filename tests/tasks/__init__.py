@@ -36,7 +36,7 @@ from tests.tasks.collectives import (
     timeline_job,
     torch_allreduce,
 )
-from tests.tasks.direct import allreduce_routed, late_writer
+from tests.tasks.direct import allreduce_routed, can_copy, late_writer
 from tests.tasks.endpoints import listening_report, repeated_allreduce, store_address, transport_report
 from tests.tasks.failures import (
     allreduce_until_failure,
@@ -97,6 +97,7 @@ __all__ = [
     "barrier",
     "barrier_times",
     "broadcast",
+    "can_copy",
     "check_then_allreduce",
     "direct_then_fault",
     "empty_of_rank_sizes",

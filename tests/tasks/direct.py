@@ -11,67 +11,94 @@ from typing import Any
 import numpy as np
 
 
+def can_copy(comm: Any) -> bool:
+    """Whether every rank of this job may copy to and from every other (the direct route's condition)."""
+    return bool(getattr(comm.ctx.transport, "copies_everywhere", False))
+
+
 def allreduce_routed(comm: Any, inputs: list[np.ndarray], op: str, kind: str = "numpy") -> dict[str, Any]:
     """Allreduce this rank's input as a numpy array (a kept plan) or an ``array.array`` (a one-call plan).
 
-    Returns the result, the calls that went direct (kept plans only: ``plan_cache``) and whether this
-    communicator ever voted on the direct route.
+    Returns the result, how many calls went direct after a vote (every plan's, one-call ones too),
+    and whether this communicator ever voted on the direct route.
     """
     x = inputs[comm.rank]
-    before = comm.plan_cache()["calls"].get("direct", 0)
+    voting = comm.ctx.direct_voting
+    before = voting.calls if voting is not None else 0
     if kind == "numpy":
         buf = x.copy()
         comm.allreduce(buf, op=op)
         result = buf
     else:
-        typecode = {"float32": "f", "float64": "d", "int32": "i", "int64": "q"}[x.dtype.name]
+        typecode = {"float32": "f", "float64": "d", "int32": "i", "int64": "q", "uint16": "H"}[x.dtype.name]
         buf = array.array(typecode, x.tobytes())
         comm.allreduce(buf, op=op)
         result = np.frombuffer(buf, x.dtype).copy()
+    voting = comm.ctx.direct_voting
     return {
         "result": result,
-        "direct": comm.plan_cache()["calls"].get("direct", 0) - before,
-        "voted": comm.ctx.direct_voting is not None,
+        "direct": (voting.calls if voting is not None else 0) - before,
+        "voted": voting is not None,
     }
 
 
-def late_writer(comm: Any, count: int) -> dict[str, Any]:
-    """Three ranks; rank 1 dies while rank 2 is slow to write into rank 0: rank 0 must not return before it.
+def late_writer(comm: Any, count: int, mode: str) -> dict[str, Any]:
+    """Three ranks; rank 1 dies inside the second direct allreduce, and rank 2 is late for rank 0.
 
-    After a first direct allreduce, in the second: rank 1 kills itself 0.3 s
-    into its first push; rank 2 sleeps 1 s before its first push (its reads
-    done: rank 1 was alive), then writes into rank 0, then fails on rank 1.
-    Rank 0 fails on rank 1's death; returns the error, and whether its buffer
-    stayed as it was when the error reached it for the next 1.5 s.
+    Rank 1 kills itself 0.3 s into its first push (rank 2 has read its first piece by then). Rank 2
+    waits until rank 0's word says it gave up (on rank 1's death), then:
+
+    - ``write``: from inside its first push, 0.5 s later, still writes its piece into rank 0,
+      then fails on rank 1. Rank 0 must not return before that write.
+    - ``refuse``: before pushing at all: it finds that rank 0 gave up and writes nothing.
+
+    Returns the error, its notes, whether this rank's buffer stayed as it was when the error
+    reached it for the next 1.5 s, and (rank 2) whether it saw rank 0 give up before going on.
     """
     from ringcore.algo import direct
+    from ringcore.plans import direct as route
 
     buf = np.empty(count, np.float64)
     buf[...] = comm.rank + 1
     comm.allreduce(buf)
     assert np.all(buf == comm.size * (comm.size + 1) / 2)
     buf[...] = comm.rank + 1
-    real = direct.push_share
-    calls = [0]
+    voting = comm.ctx.direct_voting
+    report: dict[str, Any] = {"error": "no error", "message": "", "notes": [], "saw rank 0 give up": False}
 
-    def slow_or_fatal(mine: np.ndarray, peers: list[Any], lo: int, hi: int) -> None:
+    def until_rank_0_gave_up() -> None:
+        seq = int(voting.word[0])  # this rank's collective: it is writing
+        deadline = time.monotonic() + 20
+        while voting.words[0].read() != -seq and time.monotonic() < deadline:
+            time.sleep(0.001)
+        report["saw rank 0 give up"] = voting.words[0].read() == -seq
+
+    real_push, real_gave_up, calls = direct.push_share, route.Voting.gave_up, [0]
+
+    def push(mine: np.ndarray, peers: list[Any], lo: int, hi: int) -> None:
         calls[0] += 1
         if calls[0] == 1 and comm.rank == 1:
             time.sleep(0.3)
             os.kill(os.getpid(), signal.SIGKILL)
-        if calls[0] == 1 and comm.rank == 2:
-            time.sleep(1.0)
-        real(mine, peers, lo, hi)
+        if calls[0] == 1 and comm.rank == 2 and mode == "write":
+            until_rank_0_gave_up()
+            time.sleep(0.5)  # long after: without the wait rank 0 would have returned and looked
+        real_push(mine, peers, lo, hi)
 
-    direct.push_share = slow_or_fatal
-    report: dict[str, Any] = {"error": "no error", "message": "", "notes": []}
+    def gave_up(self: Any, seq: int) -> int | None:
+        if comm.rank == 2 and mode == "refuse":
+            until_rank_0_gave_up()
+        return real_gave_up(self, seq)  # type: ignore[no-any-return]
+
+    direct.push_share = push
+    route.Voting.gave_up = gave_up  # type: ignore[method-assign]
     try:
         comm.allreduce(buf)
     except Exception as err:
         report["error"], report["message"] = type(err).__name__, str(err)
         report["notes"] = list(getattr(err, "__notes__", []))
     finally:
-        direct.push_share = real
+        direct.push_share, route.Voting.gave_up = real_push, real_gave_up  # type: ignore[method-assign]
     seen = buf.copy()
     time.sleep(1.5)
     report["stable"] = bool(np.array_equal(seen, buf))

@@ -54,6 +54,9 @@ def allreduce_symmetric_on(comm: Any, inputs: list[np.ndarray], symmetric_ranks:
     except Exception as err:
         report["error"], report["message"] = type(err).__name__, str(err)
     report["untouched"] = bool(np.array_equal(buf, x))
+    report["result"] = buf.copy()
+    voting = comm.ctx.direct_voting
+    report["voted direct"] = voting.calls if voting is not None else 0
     return report
 
 

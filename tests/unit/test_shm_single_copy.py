@@ -41,6 +41,8 @@ def test_a_process_reads_another_ones_token_and_nothing_else() -> None:
         record = {"pid": int(pid), "address": int(address), "token": bytes.fromhex(token.decode())}
         assert record["pid"] == holder.pid
         assert cma.readable(record)
+        assert cma.writable(record), "the token's own bytes written back"
+        assert cma.readable(record), "...unchanged"
         assert not cma.readable({**record, "token": b"\0" * 16}), "another value at that address"
         assert not cma.readable({**record, "pid": os.getpid()}), "another process (another pid namespace)"
         assert not cma.readable({**record, "address": 8}), "an address not mapped there"
@@ -48,6 +50,7 @@ def test_a_process_reads_another_ones_token_and_nothing_else() -> None:
     finally:
         holder.communicate(b"", timeout=20)
     assert not cma.readable(record), "the process is gone"
+    assert not cma.writable(record)
 
 
 def test_a_process_writes_another_ones_word_and_reads_it_back() -> None:

@@ -24,6 +24,7 @@ from ringcore.buffers import DTYPES
 from ringcore.errors import PeerFailure
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
+from ringcore.plans import direct as route
 from ringcore.symmetric import SymmetricMemory, create, open_peer
 from ringcore.transport import cma
 
@@ -169,7 +170,7 @@ def test_reduce_and_push_give_every_buffer_the_reduction(op: str, size: int, way
         peers: list[direct.Peer] = [
             direct.Mapped(buffers[peer])
             if way == "mapped"  # remote: through this process's own pid, as a peer's would be
-            else direct.Remote(peer, os.getpid(), buffers[peer].ctypes.data, buffers[rank], scratch)
+            else route.Remote(peer, os.getpid(), buffers[peer].ctypes.data, buffers[rank], scratch)
             for peer in order
         ]
         direct.reduce_and_push(buffers[rank], peers, *bounds[rank], reducer)
@@ -182,7 +183,7 @@ def test_a_remote_peer_whose_process_is_gone_is_a_peer_failure_naming_it() -> No
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(timeout=20)  # reaped: the pid names no process
     mine = np.ones(1024, np.float32)
-    peer = direct.Remote(3, gone.pid, mine.ctypes.data, mine, np.empty(direct.PIECE_BYTES, np.uint8))
+    peer = route.Remote(3, gone.pid, mine.ctypes.data, mine, np.empty(direct.PIECE_BYTES, np.uint8))
     for attempt in (lambda: peer.read(0, 16), lambda: peer.write(mine, 0, 16)):
         with pytest.raises(
             PeerFailure, match=r"rank 3: could not \w+ its buffer \(its process is gone\)"
@@ -190,6 +191,15 @@ def test_a_remote_peer_whose_process_is_gone_is_a_peer_failure_naming_it() -> No
             attempt()
         assert failure.value.peer == 3
     assert (mine == 1).all()
+
+
+def test_the_vote_takes_mapped_memory_at_one_place_else_remote_else_none() -> None:
+    mapped, remote, none = route.MAPPED, route.REMOTE, route.NONE
+    assert route._agreed([[mapped, 100, 3, 64], [mapped, 900, 3, 64]]) == mapped
+    assert route._agreed([[mapped, 100, 3, 64], [mapped, 900, 3, 0]]) == remote, "another offset"
+    assert route._agreed([[mapped, 100, 3, 64], [mapped, 900, 4, 64]]) == remote, "another allocation"
+    assert route._agreed([[mapped, 100, 3, 64], [remote, 900, 0, 0]]) == remote
+    assert route._agreed([[remote, 100, 0, 0], [none, 0, 0, 0], [mapped, 5, 1, 0]]) == none, "a GPU buffer"
 
 
 def test_bad_shapes_and_dtypes_are_refused_before_any_collective() -> None:
