@@ -163,7 +163,7 @@ class Voting:
         self.words = {
             peer: cma.Word(self.pids[peer], address) for peer, address in transport.peer_words.items()
         }
-        self.calls = 0  # calls that went direct after a vote, every plan's (one-call plans' too)
+        self.calls = 0  # calls that went direct on this context, every plan's (one-call plans' too)
         self.scratch = np.empty(direct.PIECE_BYTES, np.uint8)
         count = self.size * FIELDS
         schedule = recursive_doubling.allreduce(self.rank, self.size, count, 8, ctx.settings.segment_size())
@@ -222,9 +222,8 @@ class DirectRoute:
         transport = ctx.transport
         voting = ctx.direct_voting
         if voting is None and isinstance(transport, ShmTransport) and transport.copies_everywhere:
-            voting = ctx.direct_voting = Voting(
-                ctx, transport
-            )  # in the turn, as all that touches the transport
+            # made in the turn, as everything that touches the transport
+            voting = ctx.direct_voting = Voting(ctx, transport)
         if voting is not None and plan.nbytes >= ctx.settings.direct_bytes:
             desc = Descriptor("allreduce", seq, *plan.fields)
             try:
