@@ -11,6 +11,8 @@ buffer, and names one that does not stop.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -107,11 +109,14 @@ def test_a_gpu_buffer_among_host_ones_sends_every_rank_to_the_ring() -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("memory", ["ordinary", "symmetric"])
 @pytest.mark.parametrize(("fault", "error"), [("kill9", "PeerFailure"), ("stop", "CollectiveTimeout")])
-def test_a_rank_that_dies_or_stops_mid_push_into_ordinary_buffers_is_reported(fault: str, error: str) -> None:
+def test_a_rank_that_dies_or_stops_mid_push_is_reported(fault: str, error: str, memory: str) -> None:
+    """Every survivor names rank 1; a stopped writer is named in the note; nothing is left in /dev/shm."""
+    before = set(os.listdir("/dev/shm"))
     env = {"RINGCORE_TIMEOUT": "4"}
     with Cluster(3, env=env, timeout=60) as cluster:
-        args = (600_000, 1, fault, "ordinary")
+        args = (600_000, 1, fault, memory)
         doomed = Background(cluster, tasks.direct_then_fault, *args, ranks=[1], timeout=20)
         reports = cluster.run(tasks.direct_then_fault, *args, ranks=[0, 2], timeout=60)
         (victim,) = doomed.join(40)
@@ -126,6 +131,7 @@ def test_a_rank_that_dies_or_stops_mid_push_into_ordinary_buffers_is_reported(fa
         ]
         assert bool(stuck) == (fault == "stop"), report["notes"]  # a dead rank writes nothing more
         assert all(note.startswith("rank 1 ") for note in stuck), stuck
+    assert set(os.listdir("/dev/shm")) <= before
 
 
 @pytest.mark.timeout(180)
