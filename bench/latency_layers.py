@@ -14,9 +14,18 @@ allreduce of each, for 3 rounds, and what each layer adds:
 - ``lockstep``: the plan's bound steps run by ``lockstep.run_bound``.
 - ``plan``: the kept plan's small form (copy in, steps, copy out) with the
   timeout and stall check (``AllreducePlan._run_small``).
+- ``mailbox``: the one-shot allreduce by hand on the mailboxes (write the
+  input, post it, poll every peer's post with ``sched_yield``, add the N
+  inputs): no checks, no timeout.
+- ``oneshot``: the plan's one-shot route (``OneShotRoute.run``: the post,
+  the transport's wait, the signature checks, the reduce), which
+  ``ringcore.allreduce`` takes on one host (:mod:`ringcore.plans.oneshot`).
 - ``turn``: the communicator's turn (ordering with async handles, stall
   record, numpy's error state): ``Communicator._run``.
 - ``api``: ``ringcore.allreduce``: the plan cache's lookup on top.
+
+The first five are the rings' route (recursive doubling), the next two the
+mailboxes'; ``turn`` and ``api`` add their layers to the one-shot route.
 
 The layers reach into ringcore's internals, so this is a measuring tool for
 this revision, not an API. Results are checked against the sum.
@@ -35,6 +44,7 @@ import ringcore
 from ringcore.algo import lockstep
 from ringcore.api import communicator
 from ringcore.plans.base import run_steps
+from ringcore.plans.oneshot import OneShotRoute
 from ringcore.transport import shm_ring
 from ringcore.transport.shm import ShmTransport
 
@@ -56,6 +66,11 @@ def layers(x: np.ndarray, work: np.ndarray) -> dict[str, Callable[[int], None]]:
         )
     ringcore.allreduce(work)
     plan = comm._allreduce_plan(work, "sum", None)
+    route, plan.direct = plan.direct, None
+    ringcore.allreduce(work)  # the plan's own form, prepared in its first turn
+    plan.direct = route
+    if not isinstance(route, OneShotRoute) or transport.mailbox is None:
+        raise SystemExit("latency_layers: the 4 KiB plan has no one-shot route (RINGCORE_DIRECT_BYTES=0?)")
     if plan.form != "small":
         raise SystemExit(f"latency_layers: the 4 KiB plan runs as {plan.form!r}, not 'small'")
     stage = np.empty(COUNT, np.float32)
@@ -99,6 +114,25 @@ def layers(x: np.ndarray, work: np.ndarray) -> dict[str, Callable[[int], None]]:
         work[...] = x
         plan._run_small(work, seq)
 
+    mailbox = transport.mailbox
+    others = [peer for peer in range(size) if peer != rank]
+
+    def posted(seq: int) -> None:
+        slot = mailbox.slot
+        inputs = route._inputs(slot)
+        inputs[rank][...] = x
+        mailbox.post(seq, signature, 1, x.nbytes)
+        for peer in others:
+            while not mailbox.posted(peer, slot, seq):
+                os.sched_yield()
+        np.add(inputs[0], inputs[1], out=work)
+        for index in range(2, size):
+            np.add(work, inputs[index], out=work)
+
+    def oneshot(seq: int) -> None:
+        work[...] = x
+        route.run(work, seq)
+
     def turn(seq: int) -> None:
         work[...] = x
         comm._run(plan, work, None)
@@ -113,6 +147,8 @@ def layers(x: np.ndarray, work: np.ndarray) -> dict[str, Callable[[int], None]]:
         "lockstep": bound,
         "plan": steps,
         "small": small,
+        "mailbox": posted,
+        "oneshot": oneshot,
         "turn": turn,
         "api": api,
     }

@@ -67,18 +67,23 @@ class PlanCache:
     def stats(self) -> dict[str, Any]:
         """``layouts``, ``scratch_bytes`` held, and per form the ``forms`` (layouts) and ``calls`` they ran.
 
-        Calls that went direct (:mod:`ringcore.plans.direct`, chosen per call)
-        count under ``calls["direct"]``, not under their plan's form.
+        Calls that took a route chosen per call (:func:`ringcore.plans.direct.route_for`)
+        count under the route's name (``calls["direct"]``, ``calls["oneshot"]``), not
+        under their plan's form; ``routed``: per route, the plans with such calls.
         """
         forms: Counter[str] = Counter()
         calls: Counter[str] = Counter()
+        routed: Counter[str] = Counter()
         for plan in self._plans.values():
             forms[plan.form] += 1
             calls[plan.form] += plan.calls - plan.direct_calls
-            if plan.direct_calls:
-                calls["direct"] += plan.direct_calls
+            route = plan.direct
+            if route is not None and route.calls:
+                calls[route.name] += route.calls
+                routed[route.name] += 1
         return {
             "layouts": len(self._plans),
+            "routed": dict(routed),
             "scratch_bytes": self._held_bytes,
             "forms": dict(forms),
             "calls": dict(calls),

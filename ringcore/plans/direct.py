@@ -75,6 +75,7 @@ from ringcore.errors import PeerFailure
 from ringcore.ops import Compression, ReduceOp
 from ringcore.plans.barrier import bound_barrier
 from ringcore.plans.base import run_steps
+from ringcore.plans.oneshot import OneShotRoute
 from ringcore.slicing import note_failure
 from ringcore.transport import cma, shm_ring, wire
 from ringcore.transport.shm import ShmTransport
@@ -211,6 +212,8 @@ class Voting:
 
 class DirectRoute:
     """One plan's direct route (module docstring); ``run(obj, seq)`` False: the plan's form runs instead."""
+
+    name = "direct"
 
     def __init__(self, plan: RoutedPlan) -> None:
         self.plan, self.ctx = plan, plan.ctx
@@ -350,19 +353,28 @@ def _agreed(rows: list[list[int]]) -> int:
     return way
 
 
-def route_for(plan: RoutedPlan) -> DirectRoute | None:
-    """The plan's direct route where its conditions hold, alike on every rank (module docstring)."""
+def route_for(plan: RoutedPlan) -> DirectRoute | OneShotRoute | None:
+    """The plan's direct route where its conditions hold, alike on every rank; None: its form alone.
+
+    At most ``RINGCORE_SMALL_BYTES`` (and a mailbox's slot): the one-shot route
+    (:mod:`ringcore.plans.oneshot`), where every rank mapped every mailbox.
+    Above it: :class:`DirectRoute` (module docstring).
+    """
     ctx, settings = plan.ctx, plan.ctx.settings
-    symmetric = ctx.symmetric
+    transport = ctx.transport
     if (
         ctx.size < 2
-        or ctx.transport is None
+        or transport is None
         or not settings.direct_bytes
-        or settings.atomic
         or plan.compression is not Compression.NONE
-        or plan.nbytes <= settings.small_bytes
-        or symmetric is None
-        or not symmetric.shared  # every rank on this host
     ):
+        return None
+    if plan.nbytes <= settings.small_bytes:
+        mailbox = getattr(transport, "mailbox", None)
+        if mailbox is not None and plan.nbytes <= mailbox.slot_bytes:
+            return OneShotRoute(plan, transport)  # type: ignore[arg-type]
+        return None
+    symmetric = ctx.symmetric
+    if settings.atomic or symmetric is None or not symmetric.shared:  # not every rank on this host
         return None
     return DirectRoute(plan)

@@ -107,6 +107,15 @@ blocks (it would wake it at once, again and again). The TCP transport is
 asked itself (``progress(0)``) when it has frames of its own to move, or
 once the grace has passed.
 
+Mailboxes. Where every rank of the job is on this host, each also has a
+mailbox that it writes and every peer reads (:mod:`ringcore.transport.shm_mailbox`),
+for the one-shot allreduce of small inputs (:mod:`ringcore.plans.oneshot`):
+``post`` publishes this rank's input and rings the doorbells of peers asleep
+on it; ``await_posts`` names the peers whose post this rank waits for, and
+``progress`` waits for them as for posted frames (same spin, yield and
+block, their news on TCP heard at once, their BYE a failure), so the route
+waits through the executors' one wait loop (:class:`ringcore.algo.waiting.Watch`).
+
 Set-up: :mod:`ringcore.transport.shm_setup` finds the local peers, makes and
 maps the segments and doorbells, and builds this transport.
 """
@@ -121,9 +130,10 @@ import time
 from collections import deque
 from typing import Any
 
-from ringcore.transport import cma, shm_ring
+from ringcore.transport import cma, shm_ring, wire
 from ringcore.transport.base import FrameMismatch, Request, check_frame
 from ringcore.transport.registration import view_address
+from ringcore.transport.shm_mailbox import Mailbox
 from ringcore.transport.shm_ring import Doorbell, Ring, Segment
 from ringcore.transport.tcp import TcpTransport
 from ringcore.transport.wire import ProtocolError
@@ -137,6 +147,7 @@ IDLE_GRACE = 0.5  # seconds with nothing moving before news of a peer the posted
 WITHDRAWN_GRACE = 2.0  # seconds to wait for the reason of a peer that withdrew a frame (its ABORT)
 LEND_FROM = 64 * 1024  # frames lent for a combine from this size; below, the copy costs less than lending
 _YIELDS_PER_TCP_POLL = 8
+_SEQ_FIELD = (1 << (32 - wire.PART_BITS)) - 1  # a collective's number as its tags hold it
 _LIVENESS_EVENTS = select.POLLIN | getattr(select, "POLLRDHUP", 0x2000)
 
 
@@ -426,6 +437,9 @@ class ShmTransport:
         self.copies_everywhere = False  # every rank may copy from and to every other (shm_setup agrees on it)
         self.word: Any = None  # this rank's word for the direct allreduce, and the peers' addresses of theirs
         self.peer_words: dict[int, int] = {}  # (ringcore.plans.direct, "Safety"; set by shm_setup)
+        self.mailbox: Mailbox | None = None  # every rank's, where all are on this host (shm_setup)
+        self.awaited: list[int] = []  # local peers whose post this rank waits for ("Mailboxes")
+        self.awaited_post = (0, 0)  # (slot, seq) of the post awaited
         self.pointing = [True]  # whether the running collective points (expect), seen by every link
         self.cache_bytes = cache_bytes
         self.links = {
@@ -646,7 +660,7 @@ class ShmTransport:
         if self._remote:
             moved = self._progress_remote(0) or moved
         if not moved and timeout > 0:
-            if any(link.busy() for link in self.links.values()):
+            if self.awaited or any(link.busy() for link in self.links.values()):
                 moved = self._wait(timeout)
             else:
                 moved = self._progress_remote(timeout)  # only TCP has work (or nothing has): it waits
@@ -663,6 +677,7 @@ class ShmTransport:
             link.recvs.clear()
             link.release()
         self._remote.clear()
+        self.awaited = []
         self.control.cancel()
 
     def abort(self, reason: dict[str, Any]) -> None:
@@ -676,6 +691,9 @@ class ShmTransport:
             return
         self.closed = True
         self.control.close()
+        if self.mailbox is not None:
+            self.mailbox.close()
+            self.mailbox = None
         for link in self.links.values():
             link.withdraw()  # a peer still copying from this rank's buffers must not finish the copy
             link.outbound.drop()
@@ -688,6 +706,53 @@ class ShmTransport:
         self.bells = {}
         if self.doorbell is not None:
             self.doorbell.close()
+
+    # -- the mailboxes ("Mailboxes", module docstring) ------------------------------------------
+
+    def post(self, seq: int, signature: int, way: int, nbytes: int) -> int:
+        """Publish this rank's input of ``seq``, written in its mailbox's next slot; wake sleeping peers."""
+        mailbox = self.mailbox
+        assert mailbox is not None
+        slot = mailbox.post(seq, signature, way, nbytes)
+        shm_ring.fence()  # the post stored before the peers' asleep words are read
+        for peer in mailbox.sleepers():
+            shm_ring.ring_bell(self.bells[peer])
+        return slot
+
+    def await_posts(self, slot: int, seq: int) -> list[int]:
+        """The local peers that have not posted ``seq`` in ``slot``: ``progress`` waits for them.
+
+        The latency path, as ``swap``'s receive: the posts are polled for up to
+        ``spin`` s first (without a syscall for ``TIGHT_SPIN`` s, then with
+        ``sched_yield``, at least once), with no wait loop or liveness look.
+        """
+        posted = self.mailbox.posted  # type: ignore[union-attr]
+        self.awaited_post = (slot, seq)
+        awaited = [peer for peer in self.mailbox.peers if not posted(peer, slot, seq)]  # type: ignore[union-attr]
+        if awaited:
+            start = time.perf_counter()
+            tight, deadline = min(self.tight_spin, self.spin), start + self.spin
+            yielded = False
+            while awaited:
+                now = time.perf_counter()
+                if now > deadline and yielded:
+                    break
+                if now - start > tight:
+                    os.sched_yield()
+                    yielded = True
+                awaited = [peer for peer in awaited if not posted(peer, slot, seq)]
+            self.last_moved = time.perf_counter()
+        self.awaited = awaited
+        return awaited
+
+    def _posts(self) -> bool:
+        """Drop the awaited peers that have posted; whether any had."""
+        slot, seq = self.awaited_post
+        posted = self.mailbox.posted  # type: ignore[union-attr]
+        left = [peer for peer in self.awaited if not posted(peer, slot, seq)]
+        moved = len(left) < len(self.awaited)
+        self.awaited = left
+        return moved
 
     # -- moving and waiting --------------------------------------------------------------------
 
@@ -702,7 +767,7 @@ class ShmTransport:
         return moved
 
     def _pump(self) -> bool:
-        moved = False
+        moved = bool(self.awaited) and self._posts()
         for link in self.links.values():
             if (link.sends or link.awaiting) and link.push():
                 moved = True
@@ -731,19 +796,22 @@ class ShmTransport:
         start = time.perf_counter()
         deadline = start + timeout
         polls = 0
+        moved = False
         while True:
             now = time.perf_counter()
             if now > deadline:
-                return False
+                return moved
             if now - start > min(self.tight_spin, self.spin):  # RINGCORE_SPIN_US=0: no spinning at all
                 if polls and now - start >= self.spin and self.doorbell is not None:
-                    return self._block(deadline)  # after one yield at least: the peer may be next
+                    return self._block(deadline) or moved  # after one yield at least: the peer may be next
                 os.sched_yield()
                 polls += 1
                 if polls % _YIELDS_PER_TCP_POLL == 0 and self._tcp_news():
                     return True
             if self._pump() or (self._remote and self._progress_remote(0)):
-                return True
+                if not self.awaited:
+                    return True
+                moved = True  # a post of several awaited: wait on for the rest, without returning
 
     def _block(self, deadline: float) -> bool:
         """Sleep in ``poll`` on the doorbell and the TCP sockets, ``BLOCK_MAX`` s at a time, until news."""
@@ -754,6 +822,9 @@ class ShmTransport:
                 return False
             self.episode += 1
             waiting = [link for link in self.links.values() if link.announce(self.episode)]
+            boxed = bool(self.awaited)
+            if boxed:
+                self.mailbox.announce(self.episode)  # type: ignore[union-attr]
             try:
                 shm_ring.fence()  # the words stored before the rings are read again (shm_ring)
                 if self._pump():
@@ -763,6 +834,8 @@ class ShmTransport:
             finally:
                 for link in waiting:
                     link.wake()
+                if boxed:
+                    self.mailbox.announce(0)  # type: ignore[union-attr]
             bell = any(fd == self.doorbell.fd for fd, _ in ready)
             if bell:
                 self.doorbell.drain()
@@ -810,7 +883,7 @@ class ShmTransport:
         """The local peers the posted work sends to or receives from; None (all) past the grace."""
         if self._stale():
             return None
-        return {link.peer for link in self.links.values() if link.busy()}
+        return {link.peer for link in self.links.values() if link.busy()} | set(self.awaited)
 
     def _hear(self, fd: int, involved: set[int] | None = None) -> None:
         """Read a local peer's news on TCP (raising on ABORT or hang-up), or leave it for later.
@@ -836,6 +909,13 @@ class ShmTransport:
         rings), so the rings are read once more before a frame counts as
         missing: a peer that finished the collective and shut down is no failure.
         """
+        if self.awaited and any(self._departed(peer) for peer in self.awaited):
+            self._posts()  # it may have posted before its BYE
+            for peer in self.awaited:
+                if self._departed(peer):
+                    raise self.control.conns[(peer, 0)].fail(
+                        "shut down (called shutdown()) before posting its input of this collective"
+                    )
         gone = [link for link in self.links.values() if link.busy() and self._departed(link.peer)]
         if gone and self._pump():
             gone = [link for link in gone if link.busy()]
@@ -852,14 +932,24 @@ class ShmTransport:
         return conn is not None and conn.departed
 
     def _check_idle(self) -> None:
-        """A frame of the running collective waiting where no receive is posted must agree on the signature."""
+        """A frame of the running collective waiting where no receive is posted must agree on the signature.
+
+        While this rank waits for posts (a one-shot allreduce sends no frames at
+        all), any frame of the collective, in any part, is a peer running another.
+        """
         seq, signature = self.current
+        posting = self.awaited_post[1] & _SEQ_FIELD if self.awaited else -1
         for link in self.links.values():
             if link.recvs:
                 continue
             piece = link.inbound.peek()
-            if piece is not None and piece[3] == 0 and piece[0] >> 32 == seq and piece[1] != signature:
+            if piece is None:
+                continue
+            if piece[3] == 0 and piece[0] >> 32 == seq and piece[1] != signature:
                 raise FrameMismatch(link.peer, "signature", signature, piece[1])
+            if piece[0] >> (32 + wire.PART_BITS) == posting:
+                field, got = ("signature", piece[1]) if piece[1] != signature else ("tag", piece[0])
+                raise FrameMismatch(link.peer, field, signature if field == "signature" else 0, got)
 
 
 def _bytes(view: memoryview) -> memoryview:

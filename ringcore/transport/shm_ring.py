@@ -164,8 +164,11 @@ class Segment:
         return cls(name, region)
 
     @classmethod
-    def attach(cls, name: str, nbytes: int) -> Segment:
-        """Map a peer's segment and unlink it (see the module docstring)."""
+    def attach(cls, name: str, nbytes: int, unlink_it: bool = True) -> Segment:
+        """Map a peer's segment and unlink it (see the module docstring).
+
+        ``unlink_it`` False: a segment other peers map too (a mailbox), which its owner unlinks.
+        """
         if not name.startswith(PREFIX) or "/" in name:
             raise OSError(f"not a ringcore segment name: {name!r}")
         path = os.path.join(SHM_DIR, name)
@@ -176,7 +179,8 @@ class Segment:
             region = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
-            unlink(name)
+            if unlink_it:
+                unlink(name)
         return cls(name, region)
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ TCP mesh, to every peer:
    frames of ``RINGCORE_SHM_SINGLE_COPY_BYTES`` or more as pointers, which
    this rank copies in one pass (:mod:`ringcore.transport.cma`).
 3. mapped: whether this rank mapped the peer's segment and opened its
-   doorbell. The receiver unlinks a segment as soon as it has mapped it, the
+   doorbell, and whether it mapped every rank's mailbox. The receiver unlinks a segment as soon as it has mapped it, the
    sender unlinks it (again) after this round, and so does each rank its
    doorbell, so once ``connect`` returns nothing of the job is left in
    ``/dev/shm`` whatever happens to any rank later. A pair is carried by
@@ -43,6 +43,7 @@ import msgpack
 from ringcore.errors import CollectiveTimeout
 from ringcore.transport import cma, shm_ring
 from ringcore.transport.shm import ShmTransport
+from ringcore.transport.shm_mailbox import Mailbox, segment_bytes
 from ringcore.transport.shm_ring import Doorbell, Ring, Segment
 from ringcore.transport.tcp import TcpTransport, needed_links
 
@@ -85,6 +86,8 @@ def connect(
     mapped: dict[int, Segment] = {}
     bells: dict[int, int] = {}
     doorbell: Doorbell | str | None = None
+    box: Segment | None = None
+    boxes: dict[int, Segment] = {}
     try:
         memory = cma.Probe()
         me = {"host": _host_identity(), "probe": probe or "", "token": token, "memory": memory.record()}
@@ -97,7 +100,9 @@ def connect(
         rings = {peer: sum(1 for p, _ in links if p == peer) for peer in local}
         doorbell = _make_doorbell() if local else None
         offers = {peer: _offer(peer, rings[peer], shm_bytes, made, doorbell) for peer in local}
+        box = _make_mailbox() if peers and len(local) == len(peers) else None
         for peer in local:
+            offers[peer]["mailbox"] = box.name if box is not None else ""
             record = theirs[peer].get("memory") or {}
             offers[peer]["reads"] = cma.readable(record)
             offers[peer]["writes"] = offers[peer]["reads"] and cma.writable(record)
@@ -107,11 +112,14 @@ def connect(
         for peer in local:
             if peer in made and answers[peer].get("segment"):
                 _attach(peer, answers[peer], mapped, bells)
+            if box is not None and answers[peer].get("mailbox"):
+                _attach_mailbox(peer, str(answers[peer]["mailbox"]), boxes)
+        boxed = box is not None and all(peer in boxes and peer in mapped for peer in peers)
         copies_all = len(local) == len(peers) and all(offers[peer]["writes"] for peer in local)
-        said = {peer: {"mapped": peer in mapped, "copies_all": copies_all} for peer in peers}
+        said = {peer: {"mapped": peer in mapped, "copies_all": copies_all, "boxed": boxed} for peer in peers}
         done = _exchange(control, said, timeout)
     except BaseException:
-        for segment in (*made.values(), *mapped.values()):
+        for segment in (*made.values(), *mapped.values(), *boxes.values(), *([box] if box else [])):
             shm_ring.unlink(segment.name)
             segment.close()
         for fd in bells.values():
@@ -122,7 +130,7 @@ def connect(
         if probe is not None:
             shm_ring.unlink(probe)
         raise
-    for segment in made.values():
+    for segment in (*made.values(), *([box] if box else [])):
         shm_ring.unlink(segment.name)
     if isinstance(doorbell, Doorbell):
         shm_ring.unlink(doorbell.name)
@@ -138,6 +146,11 @@ def connect(
     transport.copies_everywhere = copies_all and all(done[peer].get("copies_all") for peer in peers)
     transport.word = memory.word
     transport.peer_words = {peer: int(theirs[peer]["memory"].get("word", 0)) for peer in peer_pids}
+    if box is not None and boxed and all(done[peer].get("boxed") for peer in peers):
+        transport.mailbox = Mailbox(control.rank, {control.rank: box, **boxes})
+    else:
+        for segment in (*boxes.values(), *([box] if box else [])):
+            segment.close()
     return transport
 
 
@@ -252,6 +265,23 @@ def _attach(peer: int, answer: dict[str, Any], mapped: dict[int, Segment], bells
         _fall_back(peer, f"could not open its doorbell: {err}")
         return
     mapped[peer] = segment
+
+
+def _make_mailbox() -> Segment | None:
+    """This rank's mailbox, or None where ``/dev/shm`` will not hold it (small allreduces take the rings)."""
+    try:
+        return Segment.create(segment_bytes())
+    except OSError as err:
+        log.info("no shared-memory mailbox (%s): small allreduces take the rings", err.strerror or err)
+        return None
+
+
+def _attach_mailbox(peer: int, name: str, boxes: dict[int, Segment]) -> None:
+    """Map the peer's mailbox (its owner unlinks it); on failure leave it out (no rank takes the one-shot route)."""
+    try:
+        boxes[peer] = Segment.attach(name, segment_bytes(), unlink_it=False)  # its owner unlinks it
+    except OSError as err:
+        log.info("could not map rank %d's mailbox (%s): small allreduces take the rings", peer, err)
 
 
 _ADVICE = f". Free space in {shm_ring.SHM_DIR} or lower RINGCORE_SHM_BYTES (bytes per pair of ranks)"

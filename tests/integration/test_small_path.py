@@ -1,17 +1,23 @@
-"""The small form of kept allreduce plans (``ringcore.plans.allreduce``): results, agreement, failures.
+"""The small route of kept allreduce plans: results, agreement, failures, each test both ways.
 
-A small numpy allreduce keeps its plan per layout, whose first turn binds
-the recursive-doubling steps to scratch of its own. These tests run it over
-real processes and sockets: mixed with ranks on the general form in the same
-collective (the frames must be the same), against numpy for several dtypes, ops and fp16
-compression, and with a peer that died or stopped, where the caller's buffer
-must come back untouched and every survivor must name the culprit.
+A small numpy allreduce keeps its plan per layout. On the rings
+(``RINGCORE_DIRECT_BYTES=0``, or ranks on several hosts) its first turn binds
+the recursive-doubling steps to scratch of its own (the small form,
+``ringcore.plans.allreduce``); on one host every call takes the one-shot
+route through the mailboxes (``ringcore.plans.oneshot``). The ``route``
+fixture runs every test on each. Over real processes and sockets: mixed
+with ranks on one-call plans in the same collective (the frames, or the
+posts, must agree), against numpy for several dtypes, ops and fp16
+compression (which keeps the rings), and with a peer that died or stopped,
+where the caller's buffer must come back untouched and every survivor must
+name the culprit.
 """
 
 from __future__ import annotations
 
 import signal
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +25,9 @@ import numpy as np
 import pytest
 
 import ringcore
-from tests import tasks
+from tests import cluster, tasks
 from tests.cluster import Background, Cluster, RankError, qualified
+from tests.conftest import RING_ONLY
 
 try:
     import ml_dtypes
@@ -43,9 +50,18 @@ def _value(rank: int, round_: int, count: int, dtype: str) -> np.ndarray:
     return ((np.arange(count) % 7) + rank + round_).astype(dtype)
 
 
+@pytest.fixture(autouse=True, params=["ring", "oneshot"])
+def route(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test twice: pinned to the rings, and on one host's default (the one-shot route)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "ring":
+            patch.setattr(cluster, "BASE_ENV", RING_ONLY)
+        yield request.param
+
+
 def _bound(comm: Any) -> int:
-    """How many of ``comm``'s kept plans run the small form (steps bound once)."""
-    return tasks.kept_layouts(comm, "small")
+    """How many of ``comm``'s kept plans run the job's small route (bound steps, or one-shot)."""
+    return tasks.small_route(comm)[0]
 
 
 def mixed_paths(comm: Any, count: int) -> dict[str, Any]:
@@ -55,7 +71,7 @@ def mixed_paths(comm: Any, count: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("size", [2, 3, 4])
-def test_bound_and_general_paths_agree_and_match_numpy(size: int) -> None:
+def test_bound_and_general_paths_agree_and_match_numpy(size: int, route: str) -> None:
     count = 999  # odd: recursive doubling's uneven halves
     with Cluster(size) as cluster:
         reports = cluster.results(mixed_paths, count, timeout=90)
@@ -73,9 +89,11 @@ def test_bound_and_general_paths_agree_and_match_numpy(size: int) -> None:
                 np.testing.assert_array_equal(
                     got, want, err_msg=f"{dtype} {op} {compression} round {round_} rank {rank}"
                 )
+    # Rounds after one where this rank kept its layouts ran on bound steps, or one-shot but for
+    # fp16 compression, which keeps the rings.
+    uncompressed = sum(compression is None for _, _, compression in CASES)
     for rank, report in enumerate(reports):
-        # Rounds after one where this rank kept its layouts ran on bound steps.
-        assert max(report["kept"]) == len(CASES), (rank, report["kept"])
+        assert max(report["kept"]) == (len(CASES) if route == "ring" else uncompressed), (rank, report)
 
 
 def warm_then_report(comm: Any, count: int) -> int:
@@ -254,8 +272,8 @@ def test_bound_layouts_do_not_pin_outgrown_scratch() -> None:
 
 
 def small_calls(comm: Any) -> int:
-    """How many calls ``comm``'s kept plans ran in the small form."""
-    return comm.plan_cache()["calls"].get("small", 0)
+    """How many calls ``comm``'s kept plans ran on the job's small route."""
+    return tasks.small_route(comm)[1]
 
 
 def shaped_layouts(comm: Any) -> dict[str, Any]:

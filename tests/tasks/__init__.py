@@ -63,6 +63,7 @@ from tests.tasks.plans import (
     allreduce_recording_algorithms,
     kept_layouts,
     many_layouts,
+    small_route,
 )
 from tests.tasks.soak_plan import SOAK_DTYPES, soak, soak_input, soak_spec
 from tests.tasks.symmetric import (
@@ -122,6 +123,7 @@ __all__ = [
     "reinit_after_failure",
     "repeated_allreduce",
     "sliced_allreduce_until_failure",
+    "small_route",
     "soak",
     "soak_input",
     "soak_spec",

@@ -76,8 +76,9 @@ class SendTrigger:
     """Counts the sends this rank's transport posts and runs an action just before a chosen one.
 
     Every executor (the pipelined one, the latency path, the staged GPU one)
-    posts its sends through the transport's ``isend``, or ``swap`` on TCP's
-    latency path; wrapping those two calls on the instance locates a point
+    posts its sends through the transport's ``isend``, or ``swap`` on the
+    latency path, and the one-shot route its input through shared memory's
+    ``post``; wrapping those calls on the instance locates a point
     inside any collective without reaching into an executor. ``arm(at,
     action)`` runs ``action`` before the ``at``-th send from then on;
     ``remove()`` restores the transport.
@@ -99,11 +100,19 @@ class SendTrigger:
                 self._count()
             return swap(send, *rest)  # type: ignore[misc]
 
+        def counted_post(*args: Any) -> Any:
+            self._count()
+            return post(*args)
+
         transport.isend = counted_isend
         self.patched = ["isend"]
         if swap is not None:
             transport.swap = counted_swap
             self.patched.append("swap")
+        post = getattr(transport, "post", None) if getattr(transport, "mailbox", None) else None
+        if post is not None:
+            transport.post = counted_post
+            self.patched.append("post")
 
     def _count(self) -> None:
         self.posted += 1

@@ -71,6 +71,16 @@ def kept_layouts(comm: Any, form: str | None = None) -> int:
     return sum(forms.get(f, 0) for f in ((form,) if form else ("small", "in_place")))
 
 
+def small_route(comm: Any) -> tuple[int, int]:
+    """``(layouts, calls)`` of ``comm``'s kept plans on this job's small route: the one-shot route
+    on one host (``ringcore.plans.oneshot``), the small form on the rings where
+    ``RINGCORE_DIRECT_BYTES=0`` pins them or ranks span hosts."""
+    stats = comm.plan_cache()
+    if stats["routed"].get("oneshot"):
+        return stats["routed"]["oneshot"], stats["calls"]["oneshot"]
+    return kept_layouts(comm, "small"), stats["calls"].get("small", 0)
+
+
 def many_layouts(comm: Any, counts: list[int], calls: int) -> tuple[list[bool], dict[str, int]]:
     """Allreduce (sum) float32 arrays of every length in ``counts``, ``calls`` times each; each result
     checked against the exact sum, and the plan cache's size afterwards."""

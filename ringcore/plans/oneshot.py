@@ -1,0 +1,133 @@
+"""The one-shot allreduce of small inputs on one host: post once, wait once, reduce all N.
+
+A 4 KiB allreduce moves almost no bytes; its time is the ranks' waits for one
+another, and on a host with fewer cores than ranks every wait is a trip
+through the scheduler. Recursive doubling over the pair rings waits
+``log2 N`` times, each on one partner. Here each rank waits once:
+
+1. it copies its input into its mailbox's next slot and posts it
+   (``ShmTransport.post``: the signature, whether it took part, then ``seq``;
+   the mailboxes: :mod:`ringcore.transport.shm_mailbox`);
+2. it waits until every peer has posted ``seq`` (``await_posts``, then the
+   executors' wait loop, :class:`ringcore.algo.waiting.Watch`: the timeout,
+   the stall check, a dead or departed peer named);
+3. it checks every peer's signature (``MismatchError`` naming who differs,
+   before the caller's buffer is touched) and reduces the ``N`` posted
+   inputs, in rank order, into the caller's buffer.
+
+Every rank reduces the same inputs in the same order, so all end with the
+same bits, and the caller's buffer is written only once nothing can fail:
+a failure leaves it as it was. No synchronisation follows, because a rank
+overwrites a slot only two posts later, once every peer has posted in
+between and so has read it (the mailbox's two slots).
+
+When. The route is chosen in :func:`ringcore.plans.direct.route_for`, for plans
+of at most ``RINGCORE_SMALL_BYTES`` (and the mailbox's 64 KiB slot) without
+compression, where every rank is on this host and mapped every mailbox
+(agreed at set-up) and ``RINGCORE_DIRECT_BYTES`` is not 0 (which keeps every
+allreduce on the rings). Every rank posts in every such allreduce: a rank
+whose buffer is not in host memory (a GPU's) posts that it does not take
+part, and then every rank runs its plan's own form, so host and GPU ranks
+still meet in one ring. A rank that runs a different collective sends ring
+frames that the wait looks at (``_check_idle``): ``MismatchError`` there too.
+
+Measured (``bench/HISTORY.md``, "One-shot small allreduces"): against
+recursive doubling on the rings, ...
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ringcore.algo.waiting import Watch
+from ringcore.buffers import storage_view
+from ringcore.descriptor import Descriptor
+from ringcore.transport import wire
+from ringcore.transport.base import FrameMismatch
+
+if TYPE_CHECKING:
+    from ringcore.plans.direct import RoutedPlan
+    from ringcore.transport.shm import ShmTransport
+
+ABSENT, POSTED = 0, 1  # a rank's post: its input is not in it (the plan's form runs), or it is
+
+
+class OneShotRoute:
+    """One plan's one-shot route (module docstring); ``run(obj, seq)`` False: the plan's form runs instead."""
+
+    name = "oneshot"
+
+    def __init__(self, plan: RoutedPlan, transport: ShmTransport) -> None:
+        self.plan, self.ctx, self.transport = plan, plan.ctx, transport
+        self.calls = 0
+        self._slots: dict[int, list[np.ndarray]] = {}  # slot -> every rank's input there, in rank order
+
+    def run(self, obj: Any, seq: int) -> bool:
+        ctx, plan, transport = self.ctx, self.plan, self.transport
+        mailbox = transport.mailbox
+        assert mailbox is not None
+        signature = plan.signature
+        try:
+            flat = self._flat(obj)
+            slot = mailbox.slot
+            inputs = self._inputs(slot)
+            if flat is not None:
+                inputs[ctx.rank][...] = flat
+            transport.expect(wire.tag_seq(seq, 0), signature, plan.nbytes)
+            transport.post(seq, signature, ABSENT if flat is None else POSTED, plan.nbytes)
+            if transport.await_posts(slot, seq):
+                stall = ctx.stall
+                watch = Watch(
+                    transport,
+                    ctx.settings.timeout,
+                    stall.interruption if stall is not None else None,
+                    lambda: "waiting for the input of " + ", ".join(f"rank {p}" for p in transport.awaited),
+                )
+                while transport.awaited:
+                    watch.progress(0.5)
+            taking = flat is not None
+            for peer in mailbox.peers:
+                header = mailbox.header(peer, slot)
+                if header[1] != signature:
+                    raise FrameMismatch(peer, "signature", signature, header[1])
+                taking = taking and header[2] == POSTED
+        except BaseException as err:
+            ctx.fail(Descriptor("allreduce", seq, *plan.fields), err)
+        if not taking:
+            return False
+        assert flat is not None
+        reducer = self._reducer()
+        last = len(inputs) - 1
+        reducer.combine(flat, inputs[0], inputs[1], final=last == 1)
+        for index in range(2, last + 1):
+            reducer.combine(flat, flat, inputs[index], final=index == last)
+        self.calls += 1
+        return True
+
+    def _flat(self, obj: Any) -> np.ndarray | None:
+        """This call's input in host memory, as the plan's storage dtype; None where it is not (a GPU)."""
+        plan = self.plan
+        if plan.buffer is not None:  # a one-call plan's validated buffer
+            return plan.buffer.array if plan.buffer.device == "cpu" else None
+        return storage_view(obj, plan.dtype)
+
+    def _inputs(self, slot: int) -> list[np.ndarray]:
+        """Every rank's input in ``slot`` of its mailbox, as the plan's elements, in rank order."""
+        inputs = self._slots.get(slot)
+        if inputs is None:
+            plan, mailbox = self.plan, self.transport.mailbox
+            assert mailbox is not None
+            storage = np.dtype(plan.dtype.storage)
+            inputs = [
+                mailbox.payload(rank, slot)[: plan.nbytes].view(storage) for rank in range(self.ctx.size)
+            ]
+            self._slots[slot] = inputs
+        return inputs
+
+    def _reducer(self) -> Any:
+        plan = self.plan
+        if plan.reducer is None:
+            plan.reducer = self.ctx.reducer(plan.dtype, plan.op, plan.compression)
+        return plan.reducer

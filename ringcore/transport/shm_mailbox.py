@@ -1,0 +1,127 @@
+"""Mailboxes: one segment per rank that its owner writes and every local peer reads, for small inputs.
+
+A small allreduce on one host is a handful of microseconds of memory work
+and many more of waiting, so what it costs is how many times each rank
+must wait for another. Through the pair rings (:mod:`ringcore.transport.shm_ring`)
+recursive doubling waits ``log2 N`` times, each on one partner's frame; with
+a mailbox each rank writes its input once, where every peer can read it, and
+waits once, for every peer's (the one-shot allreduce of
+:mod:`ringcore.plans.oneshot`). Measured on 2 cores with 4 ranks, 4 KiB float32
+sum, the same loop by hand in one job: 23 us per allreduce against 38-51 us on
+the rings (``bench/HISTORY.md``, "One-shot small allreduces").
+
+Layout of a rank's mailbox (``segment_bytes``)::
+
+    [asleep u64 | pad to 64 B]
+    [slot 0: seq u64 | signature u64 | way u64 | nbytes u64 | pad to 64 B] [payload: slot_bytes]
+    [slot 1: ...]
+
+The owner's ``k``-th post (k = 0, 1, ...) goes in slot ``k % 2``: payload
+and header words first, then ``seq`` (the collective's number, never 0) last, so a
+reader that sees ``seq`` sees the rest (x86-64's store order, as for the
+rings). Two slots are enough: a rank makes post ``k + 2`` only after every
+peer made post ``k + 1`` (it waited for them), and a peer makes post ``k + 1``
+only once it has read everything of post ``k``. Every rank posts in the same
+collectives (the route is chosen alike on every rank), so the ``k`` agree.
+
+Waiting. A reader that blocks stores a fresh episode in its own ``asleep``
+word, looks once more, and sleeps on its doorbell; a poster, after storing
+``seq``, fences and rings the doorbell of every peer whose word holds an
+episode it has not rung for: the rings' protocol ("Doorbells" in
+:mod:`ringcore.transport.shm_ring`), with the transport's one wait loop
+(:meth:`ringcore.transport.shm.ShmTransport.progress`).
+
+Files. Made and mapped at set-up (:mod:`ringcore.transport.shm_setup`), like the
+ring segments: 0600, unguessable names, unlinked once every peer mapped them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ringcore.transport.shm_ring import Segment
+
+SLOT_BYTES = 64 * 1024  # the largest input a mailbox holds (RINGCORE_SMALL_BYTES' default)
+_LINE = 64
+
+
+def segment_bytes(slot_bytes: int = SLOT_BYTES) -> int:
+    """Bytes of one rank's mailbox with slots of ``slot_bytes``."""
+    return _LINE + 2 * (_LINE + slot_bytes)
+
+
+class Mailbox:
+    """This rank's mailbox and its local peers', mapped (module docstring).
+
+    Args:
+        rank: this rank.
+        segments: ``rank -> Segment`` of every rank of the job, this one's included.
+        slot_bytes: the payload room of each slot.
+    """
+
+    def __init__(self, rank: int, segments: dict[int, Segment], slot_bytes: int = SLOT_BYTES) -> None:
+        self.rank = rank
+        self.slot_bytes = slot_bytes
+        self.segments = segments
+        self.posts = 0  # posts this rank made: the next goes in slot posts % 2
+        self.peers = sorted(peer for peer in segments if peer != rank)
+        self.rung = dict.fromkeys(self.peers, 0)  # each peer's last episode this rank rang for
+        self.asleep: dict[int, memoryview] = {}
+        self.heads: dict[int, tuple[memoryview, memoryview]] = {}  # rank -> each slot's header, as u64
+        self.payloads: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        stride = _LINE + slot_bytes
+        for owner, segment in segments.items():
+            data = segment.bytes
+            assert data is not None and data.nbytes >= segment_bytes(slot_bytes)
+            self.asleep[owner] = memoryview(data[:8]).cast("Q")
+            heads = [memoryview(data[_LINE + i * stride : 2 * _LINE + i * stride]).cast("Q") for i in (0, 1)]
+            self.heads[owner] = (heads[0], heads[1])
+            pay = [data[2 * _LINE + i * stride : 2 * _LINE + i * stride + slot_bytes] for i in (0, 1)]
+            self.payloads[owner] = (pay[0], pay[1])
+
+    @property
+    def slot(self) -> int:
+        """The slot of this rank's next post: write its input into ``payload(rank, slot)`` first."""
+        return self.posts & 1
+
+    def post(self, seq: int, signature: int, way: int, nbytes: int) -> int:
+        """Publish this rank's input of collective ``seq``, already in its next slot; the slot."""
+        slot = self.posts & 1
+        self.posts += 1
+        head = self.heads[self.rank][slot]
+        head[1], head[2], head[3] = signature, way, nbytes
+        head[0] = seq  # last: the post is now the peers'
+        return slot
+
+    def posted(self, peer: int, slot: int, seq: int) -> bool:
+        """Whether ``peer`` has posted collective ``seq`` in ``slot``."""
+        return bool(self.heads[peer][slot][0] == seq)
+
+    def header(self, peer: int, slot: int) -> memoryview:
+        """``peer``'s header in ``slot`` as u64 words: ``[seq, signature, way, nbytes, ...]``."""
+        return self.heads[peer][slot]
+
+    def payload(self, peer: int, slot: int) -> np.ndarray:
+        """``peer``'s payload room in ``slot``, as bytes (its post's first ``nbytes`` are the input)."""
+        return self.payloads[peer][slot]
+
+    def announce(self, episode: int) -> None:
+        """Say that this rank sleeps waiting for posts (``episode``), or no longer (0)."""
+        self.asleep[self.rank][0] = episode
+
+    def sleepers(self) -> list[int]:
+        """The peers asleep in an episode this rank has not rung for (call after posting, and a fence)."""
+        woken = []
+        for peer in self.peers:
+            episode = self.asleep[peer][0]
+            if episode and episode != self.rung[peer]:
+                self.rung[peer] = episode
+                woken.append(peer)
+        return woken
+
+    def close(self) -> None:
+        """Forget the views and unmap every mailbox."""
+        self.asleep, self.heads, self.payloads = {}, {}, {}
+        for segment in self.segments.values():
+            segment.close()
+        self.segments = {}
