@@ -93,7 +93,8 @@ def main() -> None:
         if not np.array_equal(got, want):
             raise SystemExit(f"rank {comm.rank}: wrong result with {settings}")
         ringcore.allreduce(x)
-        forms[text] = "+".join(sorted(comm.plan_cache()["forms"]))
+        stats = comm.plan_cache()  # a route chosen per call (one-shot, direct) names itself
+        forms[text] = "+".join(sorted(stats["routed"] or stats["forms"]))
     results: dict[str, list[tuple[float, float, float]]] = {text: [] for text in variants}
     for _ in range(args.blocks):
         for text, settings in variants.items():

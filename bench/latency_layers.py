@@ -119,7 +119,7 @@ def layers(x: np.ndarray, work: np.ndarray) -> dict[str, Callable[[int], None]]:
 
     def posted(seq: int) -> None:
         slot = mailbox.slot
-        inputs = route._inputs(slot)
+        inputs = mailbox.inputs(slot, x.nbytes, x.dtype)
         inputs[rank][...] = x
         mailbox.post(seq, signature, 1, x.nbytes)
         for peer in others:

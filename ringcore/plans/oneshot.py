@@ -62,7 +62,7 @@ class OneShotRoute:
     def __init__(self, plan: RoutedPlan, transport: ShmTransport) -> None:
         self.plan, self.ctx, self.transport = plan, plan.ctx, transport
         self.calls = 0
-        self._slots: dict[int, list[np.ndarray]] = {}  # slot -> every rank's input there, in rank order
+        self.storage = np.dtype(plan.dtype.storage)
 
     def run(self, obj: Any, seq: int) -> bool:
         ctx, plan, transport = self.ctx, self.plan, self.transport
@@ -72,11 +72,11 @@ class OneShotRoute:
         try:
             flat = self._flat(obj)
             slot = mailbox.slot
-            inputs = self._inputs(slot)
+            inputs = mailbox.inputs(slot, plan.nbytes, self.storage)
             if flat is not None:
                 inputs[ctx.rank][...] = flat
-            transport.expect(wire.tag_seq(seq, 0), signature, plan.nbytes)
             transport.post(seq, signature, ABSENT if flat is None else POSTED, plan.nbytes)
+            transport.expect(wire.tag_seq(seq, 0), signature, plan.nbytes)  # after: it looks for strays
             if transport.await_posts(slot, seq):
                 stall = ctx.stall
                 watch = Watch(
@@ -112,19 +112,6 @@ class OneShotRoute:
         if plan.buffer is not None:  # a one-call plan's validated buffer
             return plan.buffer.array if plan.buffer.device == "cpu" else None
         return storage_view(obj, plan.dtype)
-
-    def _inputs(self, slot: int) -> list[np.ndarray]:
-        """Every rank's input in ``slot`` of its mailbox, as the plan's elements, in rank order."""
-        inputs = self._slots.get(slot)
-        if inputs is None:
-            plan, mailbox = self.plan, self.transport.mailbox
-            assert mailbox is not None
-            storage = np.dtype(plan.dtype.storage)
-            inputs = [
-                mailbox.payload(rank, slot)[: plan.nbytes].view(storage) for rank in range(self.ctx.size)
-            ]
-            self._slots[slot] = inputs
-        return inputs
 
     def _reducer(self) -> Any:
         plan = self.plan

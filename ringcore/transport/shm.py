@@ -681,6 +681,7 @@ class ShmTransport:
         self.control.cancel()
 
     def abort(self, reason: dict[str, Any]) -> None:
+        self.awaited = []  # the collective failed: its posts are no longer waited for
         self.control.abort(reason)
 
     def peer_name(self, peer: int) -> str:
@@ -935,10 +936,16 @@ class ShmTransport:
         """A frame of the running collective waiting where no receive is posted must agree on the signature.
 
         While this rank waits for posts (a one-shot allreduce sends no frames at
-        all), any frame of the collective, in any part, is a peer running another.
+        all), any frame of the collective, in any part, is a peer running another;
+        while it waits for frames, so is a peer that posted the collective where
+        this rank did not (``Mailbox.stray``).
         """
         seq, signature = self.current
         posting = self.awaited_post[1] & _SEQ_FIELD if self.awaited else -1
+        if posting < 0 and self.mailbox is not None:
+            stray = self.mailbox.stray(seq >> wire.PART_BITS)
+            if stray is not None:
+                raise FrameMismatch(stray[0], "signature", signature, stray[1])
         for link in self.links.values():
             if link.recvs:
                 continue

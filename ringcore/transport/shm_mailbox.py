@@ -43,6 +43,7 @@ from ringcore.transport.shm_ring import Segment
 
 SLOT_BYTES = 64 * 1024  # the largest input a mailbox holds (RINGCORE_SMALL_BYTES' default)
 _LINE = 64
+SEQ_BITS = 24  # a collective's number as a frame's tag holds it (ringcore.transport.wire.tag_seq)
 
 
 def segment_bytes(slot_bytes: int = SLOT_BYTES) -> int:
@@ -69,6 +70,7 @@ class Mailbox:
         self.asleep: dict[int, memoryview] = {}
         self.heads: dict[int, tuple[memoryview, memoryview]] = {}  # rank -> each slot's header, as u64
         self.payloads: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._views: dict[tuple[int, int, np.dtype], list[np.ndarray]] = {}
         stride = _LINE + slot_bytes
         for owner, segment in segments.items():
             data = segment.bytes
@@ -105,6 +107,34 @@ class Mailbox:
         """``peer``'s payload room in ``slot``, as bytes (its post's first ``nbytes`` are the input)."""
         return self.payloads[peer][slot]
 
+    def stray(self, number: int) -> tuple[int, int] | None:
+        """``(peer, its signature)`` of a peer that posted collective ``number`` (24 bits, as tags
+        hold it) where this rank did not: it runs the one-shot route where this rank runs another.
+
+        None where this rank posted it too, or no peer did.
+        """
+        if not number:
+            return None  # collective 0 (the world's first barrier) is never posted
+        mask = (1 << SEQ_BITS) - 1
+        if any(head[0] & mask == number for head in self.heads[self.rank]):
+            return None
+        for peer in self.peers:
+            for head in self.heads[peer]:
+                if head[0] & mask == number:
+                    return peer, head[1]
+        return None
+
+    def inputs(self, slot: int, nbytes: int, dtype: np.dtype) -> list[np.ndarray]:
+        """Every rank's first ``nbytes`` in ``slot`` as ``dtype``, in rank order (kept: 16 layouts)."""
+        key = (slot, nbytes, dtype)
+        views = self._views.get(key)
+        if views is None:
+            views = [self.payloads[rank][slot][:nbytes].view(dtype) for rank in sorted(self.payloads)]
+            if len(self._views) >= 16:
+                self._views.clear()
+            self._views[key] = views
+        return views
+
     def announce(self, episode: int) -> None:
         """Say that this rank sleeps waiting for posts (``episode``), or no longer (0)."""
         self.asleep[self.rank][0] = episode
@@ -121,7 +151,7 @@ class Mailbox:
 
     def close(self) -> None:
         """Forget the views and unmap every mailbox."""
-        self.asleep, self.heads, self.payloads = {}, {}, {}
+        self.asleep, self.heads, self.payloads, self._views = {}, {}, {}, {}
         for segment in self.segments.values():
             segment.close()
         self.segments = {}

@@ -58,10 +58,11 @@ def _ab_settings(size: str, *variants: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.timeout(120)
 def test_ab_settings_variants_reach_the_plans() -> None:
-    """Each variant plans again under its own settings: 4 KiB runs as the small form only with SMALL_BYTES."""
+    """Each variant plans again under its own settings: 4 KiB is small (on one host: the one-shot
+    route) only with SMALL_BYTES."""
     proc = _ab_settings("4K", "SMALL_BYTES=0", "SMALL_BYTES=64K")
     forms = re.findall(r"SMALL_BYTES=(\w+) .* form (\S+)", proc.stdout)
-    assert forms == [("0", "in_place"), ("64K", "small")], proc.stdout
+    assert forms == [("0", "in_place"), ("64K", "oneshot")], proc.stdout
 
 
 @pytest.mark.timeout(120)
@@ -138,9 +139,8 @@ def test_latency_layers_times_every_layer_of_the_small_route() -> None:
     proc = _run_bench([sys.executable, "-m", "ringcore.run", "-np", "2", *script])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = re.findall(r"^\[0\]<stdout>:\s+(\w+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", proc.stdout, re.M)
-    assert [name for name, *_ in rows] == ["floor", "swap", "lockstep", "plan", "small", "turn", "api"], (
-        proc.stdout
-    )
+    layers = ["floor", "swap", "lockstep", "plan", "small", "mailbox", "oneshot", "turn", "api"]
+    assert [name for name, *_ in rows] == layers, proc.stdout
     assert all(float(value) > 0 for _, *values in rows for value in values)
 
 

@@ -36,7 +36,7 @@ from tests.tasks.collectives import (
     timeline_job,
     torch_allreduce,
 )
-from tests.tasks.direct import allreduce_routed, can_copy, late_writer
+from tests.tasks.direct import allreduce_of_rank_counts, allreduce_routed, can_copy, late_writer
 from tests.tasks.endpoints import listening_report, repeated_allreduce, store_address, transport_report
 from tests.tasks.failures import (
     allreduce_until_failure,
@@ -86,6 +86,7 @@ __all__ = [
     "allreduce_async",
     "allreduce_async_many",
     "allreduce_checked_until",
+    "allreduce_of_rank_counts",
     "allreduce_on_mixed_paths",
     "allreduce_recording_algorithms",
     "allreduce_routed",

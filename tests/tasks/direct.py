@@ -20,11 +20,14 @@ def allreduce_routed(comm: Any, inputs: list[np.ndarray], op: str, kind: str = "
     """Allreduce this rank's input as a numpy array (a kept plan) or an ``array.array`` (a one-call plan).
 
     Returns the result, how many calls went direct after a vote (every plan's, one-call ones too),
-    and whether this communicator ever voted on the direct route.
+    whether this communicator ever voted on the direct route, and how many inputs this rank posted
+    in its mailbox (the one-shot route, ``ringcore.plans.oneshot``).
     """
     x = inputs[comm.rank]
     voting = comm.ctx.direct_voting
     before = voting.calls if voting is not None else 0
+    mailbox = getattr(comm.ctx.transport, "mailbox", None)
+    posts = mailbox.posts if mailbox is not None else 0
     if kind == "numpy":
         buf = x.copy()
         comm.allreduce(buf, op=op)
@@ -39,6 +42,7 @@ def allreduce_routed(comm: Any, inputs: list[np.ndarray], op: str, kind: str = "
         "result": result,
         "direct": (voting.calls if voting is not None else 0) - before,
         "voted": voting is not None,
+        "posted": (mailbox.posts if mailbox is not None else 0) - posts,
     }
 
 
@@ -103,3 +107,19 @@ def late_writer(comm: Any, count: int, mode: str) -> dict[str, Any]:
     time.sleep(1.5)
     report["stable"] = bool(np.array_equal(seen, buf))
     return report
+
+
+def allreduce_of_rank_counts(comm: Any, counts: list[int]) -> dict[str, Any]:
+    """Allreduce ``counts[rank]`` float32 elements on each rank (a mismatch where they differ).
+
+    Returns the error's type and message, and whether the buffer stayed as it was.
+    """
+    import ringcore
+
+    x = np.arange(counts[comm.rank], dtype=np.float32)
+    before = x.copy()
+    try:
+        comm.allreduce(x)
+    except ringcore.RingcoreError as err:
+        return {"error": type(err).__name__, "message": str(err), "untouched": bool((x == before).all())}
+    return {"error": "no error", "message": "", "untouched": bool((x == before).all())}

@@ -1,0 +1,96 @@
+"""The one-shot allreduce of small inputs on one host (``ringcore.plans.oneshot``), across real processes.
+
+Every rank posts its input in its shared-memory mailbox, waits once for
+every peer's and reduces all of them. Checked here: the results against
+numpy and against the rings (``RINGCORE_DIRECT_BYTES=0``) on the same
+inputs, for kept plans and one-call buffers, every rank with the same bits;
+a (fake) GPU buffer on one rank sends every rank to the ring; a rank on
+another route (a larger buffer) is a ``MismatchError`` on every rank, not a
+timeout; the mailboxes leave nothing in ``/dev/shm``. The small route's
+failure tests (a dead, stopped or disagreeing peer) run on both routes in
+``test_small_path.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from tests import tasks
+from tests.cluster import Cluster
+from tests.conftest import RING_ONLY
+from tests.gpu import tasks as gpu_tasks
+from tests.reference import check_allreduce
+
+KIB = 1024
+CASES = [  # (dtype, op, bytes): at most RINGCORE_SMALL_BYTES (64 KiB)
+    ("float32", "sum", 4 * KIB),
+    ("float64", "avg", 8 * KIB + 8),
+    ("int32", "max", 64 * KIB),
+    ("int64", "prod", 1 * KIB),
+    ("float16", "min", 2 * KIB + 2),
+    ("uint16", "sum", 6),
+]
+
+
+def _ringcore_files() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("ringcore-")}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_small_allreduces_go_one_shot_and_match_numpy_and_the_rings(size: int) -> None:
+    rng = np.random.default_rng(size)
+    cases = []
+    for dtype, op, nbytes in CASES:
+        low, high = (1, 3) if op == "prod" else (-50, 50)
+        count = nbytes // np.dtype(dtype).itemsize
+        cases.append((dtype, op, [rng.integers(low, high, count).astype(dtype) for _ in range(size)]))
+    with Cluster(size, env=RING_ONLY, timeout=120) as cluster:
+        rings = [cluster.results(tasks.allreduce_routed, inputs, op) for _, op, inputs in cases]
+    before = _ringcore_files()
+    with Cluster(size, timeout=120) as cluster:
+        assert _ringcore_files() <= before, "a mailbox or segment was left in /dev/shm after set-up"
+        for (dtype, op, inputs), by_ring in zip(cases, rings, strict=True):
+            for kind in ("numpy", "array"):
+                if kind == "array" and dtype == "float16":
+                    continue  # array.array has no float16
+                reports = cluster.results(tasks.allreduce_routed, inputs, op, kind)
+                for rank, (report, ring) in enumerate(zip(reports, by_ring, strict=True)):
+                    where = f"rank {rank} {kind} {dtype} {op} {inputs[0].nbytes} bytes:"
+                    assert ring["posted"] == 0, f"{where} RINGCORE_DIRECT_BYTES=0 posted"
+                    assert report["posted"] == 1, f"{where} not one-shot"
+                    check_allreduce(report["result"], inputs, op, where=where)
+                    np.testing.assert_allclose(report["result"], ring["result"], rtol=1e-6, err_msg=where)
+                first = reports[0]["result"]
+                for report in reports[1:]:  # the same inputs reduced in the same order on every rank
+                    assert first.tobytes() == report["result"].tobytes()
+
+
+@pytest.mark.timeout(180)
+def test_a_gpu_buffer_among_host_ones_sends_every_rank_to_the_ring() -> None:
+    """Rank 1's (fake) GPU buffer posts that it does not take part: all three ranks run the ring."""
+    rng = np.random.default_rng(12)
+    inputs = list((rng.standard_normal((3, 3000)) * 3).astype(np.float32))  # 12 KB: small
+    with Cluster(3, timeout=60) as cluster:
+        cluster.results(gpu_tasks.use_fake, 2)
+        results = cluster.results(gpu_tasks.mixed_ring, inputs, "sum", None)
+        host = cluster.results(tasks.allreduce_routed, inputs, "sum")
+    for rank, result in enumerate(results):
+        check_allreduce(result.view(np.float32), inputs, "sum", where=f"rank {rank}, mixed")
+        assert result.tobytes() == results[0].tobytes(), "ranks disagree on the bits"
+    assert [report["posted"] for report in host] == [1, 1, 1], "all-host ranks went one-shot"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("large", [100_000, 600_000], ids=["ring", "vote"])
+def test_a_rank_on_another_route_is_a_mismatch_on_every_rank(large: int) -> None:
+    """Rank 0 passes 400 KB (the ring) or 2.4 MB (the direct route's vote) where ranks 1-2 pass 400 bytes."""
+    with Cluster(3, env={"RINGCORE_TIMEOUT": "20"}, timeout=60) as cluster:
+        reports = cluster.results(tasks.allreduce_of_rank_counts, [large, 100, 100])
+    for rank, report in enumerate(reports):
+        assert report["error"] == "MismatchError", (rank, report)
+        assert f"({large},)" in report["message"] and "(100,)" in report["message"], (rank, report)
+        assert report["untouched"], (rank, report)

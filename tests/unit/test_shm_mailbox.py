@@ -1,0 +1,140 @@
+"""The mailboxes of the shared-memory transport (``ringcore.transport.shm_mailbox``) and its waits on them.
+
+Transports of three ranks, connected in threads of this process over real
+segments: posts and their headers, the two slots, waiting for posts through
+``progress`` (woken from a block by the poster's doorbell), a frame of the
+collective while waiting (a peer on another route), and set-up where one
+rank has no mailbox (then none takes the one-shot route).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ringcore.transport import shm_setup, wire
+from ringcore.transport.base import FrameMismatch
+from tests.conformance.test_transport import SIG, drive, view
+from tests.unit.test_shm_setup import close_all, connect_all, ours
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_every_rank_maps_every_mailbox_and_nothing_is_left_in_dev_shm() -> None:
+    before = ours()
+    transports = connect_all(3)
+    try:
+        assert ours() <= before, "a mailbox was left in /dev/shm after set-up"
+        for rank, transport in enumerate(transports):
+            assert transport.mailbox is not None
+            assert transport.mailbox.peers == [peer for peer in range(3) if peer != rank]
+    finally:
+        close_all(transports)
+
+
+def test_a_post_is_seen_by_every_peer_with_its_header_and_payload_in_alternate_slots() -> None:
+    transports = connect_all(3)
+    try:
+        boxes = [transport.mailbox for transport in transports]
+        assert all(box is not None for box in boxes)
+        for seq in (1, 2, 3):
+            slot = boxes[1].slot
+            assert slot == (seq - 1) % 2
+            boxes[1].payload(1, slot)[:8] = np.arange(8, dtype=np.uint8) + seq
+            assert transports[1].post(seq, 0xABC, 1, 8) == slot
+            for reader in (0, 2):
+                assert boxes[reader].posted(1, slot, seq)
+                assert not boxes[reader].posted(1, 1 - slot, seq)
+                header = boxes[reader].header(1, slot)
+                assert (header[1], header[2], header[3]) == (0xABC, 1, 8)
+                np.testing.assert_array_equal(boxes[reader].payload(1, slot)[:8], np.arange(8) + seq)
+    finally:
+        close_all(transports)
+
+
+def test_progress_waits_for_the_posts_and_a_sleeper_is_woken() -> None:
+    """Rank 0 waits for ranks 1 and 2 with no spinning (it blocks at once); their posts wake it."""
+    transports = connect_all(3)
+    try:
+        waiter = transports[0]
+        waiter.spin = 0.0
+        waiter.expect(wire.tag_seq(5, 0), SIG)
+        assert waiter.await_posts(0, 5) == [1, 2]
+        assert not waiter.progress(0.01)  # nothing posted: nothing moved
+
+        def post_later() -> None:
+            time.sleep(0.05)
+            for rank in (1, 2):
+                transports[rank].post(5, SIG, 1, 0)
+
+        poster = threading.Thread(target=post_later)
+        poster.start()
+        deadline = time.monotonic() + 10
+        while waiter.awaited and time.monotonic() < deadline:
+            waiter.progress(0.5)
+        poster.join()
+        assert waiter.awaited == []
+        assert waiter.mailbox is not None and waiter.mailbox.asleep[0][0] == 0  # not left announced
+    finally:
+        close_all(transports)
+
+
+@pytest.mark.parametrize("part", [0, 255])
+def test_a_frame_of_the_collective_while_waiting_for_posts_is_a_mismatch(part: int) -> None:
+    """Rank 1 sends a frame of collective 7 (any part) where rank 0 waits for posts: another route."""
+    transports = connect_all(2)
+    try:
+        waiter, other = transports
+        waiter.expect(wire.tag_seq(7, 0), SIG)
+        assert waiter.await_posts(0, 7) == [1]
+        frame = np.zeros(4, np.int32)
+        sent = other.isend(0, 0, wire.tag_seq(7, part) << 32, SIG + 1, view(frame))
+        drive(other, [sent])
+        with pytest.raises(FrameMismatch) as caught:
+            end = time.monotonic() + 10
+            while time.monotonic() < end:
+                waiter.progress(0.05)
+        assert caught.value.peer == 1
+    finally:
+        close_all(transports)
+
+
+def test_a_post_of_the_collective_while_waiting_for_frames_is_a_mismatch() -> None:
+    """Rank 1 posts collective 9 where rank 0 waits for a frame of it: another route."""
+    transports = connect_all(2)
+    try:
+        waiter, other = transports
+        frame = np.zeros(4, np.int32)
+        waiter.expect(wire.tag_seq(9, 0), SIG)
+        waiting = waiter.irecv(1, 0, wire.tag_seq(9, 0) << 32, SIG, view(frame))
+        other.post(9, SIG + 1, 1, 0)
+        with pytest.raises(FrameMismatch) as caught:
+            drive(waiter, [waiting], deadline=10)
+        assert (caught.value.peer, caught.value.got) == (1, SIG + 1)
+        waiter.cancel()
+        assert waiter.mailbox is not None and waiter.mailbox.stray(8) is None  # only collective 9's
+    finally:
+        close_all(transports)
+
+
+def test_one_rank_without_a_mailbox_leaves_every_rank_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    real, calls, lock = shm_setup._make_mailbox, [0], threading.Lock()
+
+    def first_fails() -> object:
+        with lock:
+            calls[0] += 1
+            first = calls[0] == 1
+        return None if first else real()
+
+    monkeypatch.setattr(shm_setup, "_make_mailbox", first_fails)
+    before = ours()
+    transports = connect_all(3)
+    try:
+        assert [transport.mailbox for transport in transports] == [None, None, None]
+        assert all(transport.links for transport in transports)  # the rings still carry everything
+        assert ours() <= before
+    finally:
+        close_all(transports)
