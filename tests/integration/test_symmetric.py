@@ -62,7 +62,7 @@ def test_direct_allreduce_matches_numpy_and_the_ring(size: int, transport: str, 
 
 @pytest.mark.timeout(180)
 def test_small_buffers_take_the_ordinary_route() -> None:
-    """At or below RINGCORE_SMALL_BYTES the latency path is faster than two barriers."""
+    """At or below RINGCORE_SMALL_BYTES the one-shot route (one wait) beats the direct one (two barriers)."""
     inputs = [np.full(1024, r + 1, np.float32) for r in range(2)]
     with Cluster(2, env=SHM, timeout=60) as cluster:
         for report in cluster.results(tasks.allreduce_symmetric, inputs, "sum"):

@@ -10,7 +10,9 @@ import numpy as np
 
 
 def _direct_calls(comm: Any, buf: np.ndarray, op: str) -> int:
-    return comm._allreduce_plan(buf, op, None).direct_calls  # type: ignore[no-any-return]
+    """Calls of ``buf``'s plan that took the direct route (the one-shot route's are not counted)."""
+    plan = comm._allreduce_plan(buf, op, None)
+    return plan.direct_calls if plan.direct is not None and plan.direct.name == "direct" else 0  # type: ignore[no-any-return]
 
 
 def allreduce_symmetric(

@@ -8,11 +8,18 @@ from ringcore.plans.cache import PlanCache
 
 
 @dataclass
+class FakeRoute:
+    name: str
+    calls: int
+
+
+@dataclass
 class FakePlan:
     holds: int = 0
     form: str = "general"
     calls: int = 0
     direct_calls: int = 0
+    direct: FakeRoute | None = None  # a route chosen per call
 
 
 def test_hot_layouts_outlive_one_off_ones_in_a_full_cache() -> None:
@@ -40,13 +47,20 @@ def test_scratch_held_is_bounded_and_given_back() -> None:
     stats = cache.stats()
     assert stats["scratch_bytes"] == 90 and stats["layouts"] == 3
     assert stats["forms"] == {"small": 3} and stats["calls"] == {"small": 7 + 8 + 9}
-    cache.put("sym", FakePlan(holds=0, form="in_place", calls=5, direct_calls=4))
-    assert cache.stats()["calls"] == {"small": 7 + 8 + 9, "in_place": 1, "direct": 4}
+    cache.put(
+        "sym", FakePlan(holds=0, form="in_place", calls=5, direct_calls=4, direct=FakeRoute("direct", 4))
+    )
+    cache.put(
+        "one", FakePlan(holds=0, form="unprepared", calls=2, direct_calls=2, direct=FakeRoute("oneshot", 2))
+    )
+    stats = cache.stats()
+    assert stats["calls"] == {"small": 7 + 8 + 9, "in_place": 1, "direct": 4, "unprepared": 0, "oneshot": 2}
+    assert stats["routed"] == {"direct": 1, "oneshot": 1}
     assert [cache.get(i) is not None for i in (6, 7, 8, 9)] == [False, True, True, True]
     cache.put("big", FakePlan(holds=101))  # more than the bound on its own: not kept, nothing forgotten
     assert cache.get("big") is None and cache.stats()["layouts"] == 4
     cache.clear()
-    assert cache.stats() == {"layouts": 0, "scratch_bytes": 0, "forms": {}, "calls": {}}
+    assert cache.stats() == {"layouts": 0, "routed": {}, "scratch_bytes": 0, "forms": {}, "calls": {}}
 
 
 def test_an_unhashable_key_is_neither_found_nor_kept() -> None:
