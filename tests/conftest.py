@@ -17,8 +17,9 @@ def ring_only() -> Iterator[None]:
 
     For tests about the ring itself (its frames, forms, slices, fault phases,
     or bits shared with the GPU path): on one host an allreduce above the small
-    limit otherwise goes direct (``ringcore.plans.direct``), which has tests of
-    its own (``tests/integration/test_direct.py``).
+    limit otherwise goes direct (``ringcore.plans.direct``), and one at or below
+    it one-shot (``ringcore.plans.oneshot``), which have tests of their own
+    (``tests/integration/test_direct.py``, ``test_oneshot.py``).
     """
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cluster, "BASE_ENV", RING_ONLY)

@@ -13,10 +13,12 @@ the peers' buffers and writes the result into theirs
 - **mapped**: arrays from ``ringcore.empty`` (:mod:`ringcore.symmetric`), at one
   offset on every rank: loads and stores, no system call at all.
 
-When. A plan has a direct route (:func:`route_for`) when the conditions hold
-alike on every rank: a world of 2+ on one host, above ``RINGCORE_SMALL_BYTES``,
-no compression, ``RINGCORE_ATOMIC=0`` and ``RINGCORE_DIRECT_BYTES`` not 0 (all
-agreed at init). Whether a call takes it depends on where each rank's memory
+When. A plan has a direct route (:func:`route_for`, the one place a route is
+chosen) when the conditions hold alike on every rank: a world of 2+ on one host,
+above ``RINGCORE_SMALL_BYTES``, no compression, ``RINGCORE_ATOMIC=0`` and
+``RINGCORE_DIRECT_BYTES`` not 0 (all agreed at init). At or below the small limit
+it has the one-shot route instead (:mod:`ringcore.plans.oneshot`), where every
+rank mapped every mailbox. Whether a call takes it depends on where each rank's memory
 lies, so it is decided per call, in :meth:`DirectRoute.run` and nowhere else:
 
 - From ``RINGCORE_DIRECT_BYTES`` (1 MiB), where every rank may copy from and to
