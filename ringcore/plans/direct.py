@@ -75,6 +75,7 @@ from ringcore.buffers import DTYPES, storage_view
 from ringcore.descriptor import Descriptor
 from ringcore.errors import PeerFailure
 from ringcore.ops import Compression, ReduceOp
+from ringcore.plans import oneshot
 from ringcore.plans.barrier import bound_barrier
 from ringcore.plans.base import run_steps
 from ringcore.plans.oneshot import OneShotRoute
@@ -90,6 +91,7 @@ NONE, REMOTE, MAPPED = 0, 1, 2  # a rank's offer in the vote
 FIELDS = 4  # way, address, allocation serial, byte offset
 VOTE_PART = (1 << wire.PART_BITS) - 1  # not part 0, with which the ring may follow the vote
 DONE_PART = VOTE_PART - 1
+_INT64 = np.dtype(np.int64)
 WRITER_GRACE = 10.0  # seconds a failing rank waits for peers still writing into its buffer
 
 
@@ -179,7 +181,15 @@ class Voting:
         self.summer = ctx.reducer(DTYPES["int64"], ReduceOp.SUM, Compression.NONE)
 
     def vote(self, row: list[int], seq: int, signature: int) -> list[list[int]]:
-        """Every rank's row, in rank order: a sum of rows that are zero but for each rank's own."""
+        """Every rank's row, in rank order: posted in the mailboxes where the ranks have them, else
+        a sum of rows that are zero but for each rank's own."""
+        transport = self.ctx.transport
+        mailbox = getattr(transport, "mailbox", None)
+        if mailbox is not None:
+            rows_bytes = FIELDS * 8
+            mailbox.inputs(mailbox.slot, rows_bytes, _INT64)[self.rank][:] = row
+            slot = oneshot.meet(self.ctx, transport, seq, signature, oneshot.POSTED, rows_bytes)  # type: ignore[arg-type]
+            return [posted.tolist() for posted in mailbox.inputs(slot, rows_bytes, _INT64)]
         rows = self.rows
         rows[:] = 0
         rows[self.rank * FIELDS : (self.rank + 1) * FIELDS] = row
@@ -253,7 +263,7 @@ class DirectRoute:
         signature = desc.signature()
 
         def meet() -> tuple[int, Callable[[], list[direct.Peer]]]:
-            bound_barrier(ctx).run(seq, signature, 0)
+            _barrier(ctx, seq, signature, 0)
             views = allocation.peers(offset, plan.count, flat.dtype)
             return MAPPED, lambda: [direct.Mapped(view) for view in views]
 
@@ -290,7 +300,7 @@ class DirectRoute:
                     direct.reduce_and_push(flat, peers(), lo, hi, self._reducer())
                 if voting is not None:
                     voting.word[0] = 0
-                bound_barrier(ctx).run(seq, signature, last_part)  # every share is in every buffer
+                _barrier(ctx, seq, signature, last_part)  # every share is in every buffer
                 if gone is not None:  # its ABORT, with the reason, normally fails the barrier first
                     raise PeerFailure(
                         f"rank {gone} gave up on this allreduce before this rank wrote to it", gone
@@ -345,6 +355,16 @@ class DirectRoute:
         if plan.reducer is None:
             plan.reducer = self.ctx.reducer(plan.dtype, plan.op, plan.compression)
         return plan.reducer
+
+
+def _barrier(ctx: Context, seq: int, signature: int, part: int) -> None:
+    """Wait until every rank got here in collective ``seq``: an empty post in the mailboxes where the
+    ranks have them (one wait, as the one-shot route's), else the barrier's steps (schedule ``part``)."""
+    transport = ctx.transport
+    if getattr(transport, "mailbox", None) is not None:
+        oneshot.meet(ctx, transport, seq, signature, oneshot.POSTED, 0)  # type: ignore[arg-type]
+    else:
+        bound_barrier(ctx).run(seq, signature, part)
 
 
 def _agreed(rows: list[list[int]]) -> int:

@@ -48,6 +48,7 @@ from ringcore.transport import wire
 from ringcore.transport.base import FrameMismatch
 
 if TYPE_CHECKING:
+    from ringcore.context import Context
     from ringcore.plans.direct import RoutedPlan
     from ringcore.transport.shm import ShmTransport
 
@@ -75,24 +76,10 @@ class OneShotRoute:
             inputs = mailbox.inputs(slot, plan.nbytes, self.storage)
             if flat is not None:
                 inputs[ctx.rank][...] = flat
-            transport.post(seq, signature, ABSENT if flat is None else POSTED, plan.nbytes)
-            transport.expect(wire.tag_seq(seq, 0), signature, plan.nbytes)  # after: it looks for strays
-            if transport.await_posts(slot, seq):
-                stall = ctx.stall
-                watch = Watch(
-                    transport,
-                    ctx.settings.timeout,
-                    stall.interruption if stall is not None else None,
-                    lambda: "waiting for the input of " + ", ".join(f"rank {p}" for p in transport.awaited),
-                )
-                while transport.awaited:
-                    watch.progress(0.5)
-            taking = flat is not None
-            for peer in mailbox.peers:
-                header = mailbox.header(peer, slot)
-                if header[1] != signature:
-                    raise FrameMismatch(peer, "signature", signature, header[1])
-                taking = taking and header[2] == POSTED
+            meet(ctx, transport, seq, signature, ABSENT if flat is None else POSTED, plan.nbytes)
+            taking = flat is not None and all(
+                mailbox.header(peer, slot)[2] == POSTED for peer in mailbox.peers
+            )
         except BaseException as err:
             ctx.fail(Descriptor("allreduce", seq, *plan.fields), err)
         if not taking:
@@ -118,3 +105,33 @@ class OneShotRoute:
         if plan.reducer is None:
             plan.reducer = self.ctx.reducer(plan.dtype, plan.op, plan.compression)
         return plan.reducer
+
+
+def meet(ctx: Context, transport: ShmTransport, seq: int, signature: int, way: int, nbytes: int) -> int:
+    """Post this rank's part of collective ``seq`` (``nbytes`` already in its mailbox's next slot), wait
+    for every peer's and check their signatures; the slot, where every rank's post now is.
+
+    The one-shot route's one synchronisation, and the direct route's two
+    (:mod:`ringcore.plans.direct`). Raises what the caller's ``ctx.fail`` turns
+    into every rank's error: ``FrameMismatch`` (a peer posted another
+    collective, or sent frames of this one), ``CollectiveTimeout``, ``PeerFailure``.
+    """
+    mailbox = transport.mailbox
+    assert mailbox is not None
+    slot = transport.post(seq, signature, way, nbytes)
+    transport.expect(wire.tag_seq(seq, 0), signature, nbytes)  # after the post: it looks for strays
+    if transport.await_posts(slot, seq):
+        stall = ctx.stall
+        watch = Watch(
+            transport,
+            ctx.settings.timeout,
+            stall.interruption if stall is not None else None,
+            lambda: "waiting for the input of " + ", ".join(f"rank {p}" for p in transport.awaited),
+        )
+        while transport.awaited:
+            watch.progress(0.5)
+    for peer in mailbox.peers:
+        theirs = mailbox.header(peer, slot)[1]
+        if theirs != signature:
+            raise FrameMismatch(peer, "signature", signature, theirs)
+    return slot
