@@ -31,8 +31,10 @@ part, and then every rank runs its plan's own form, so host and GPU ranks
 still meet in one ring. A rank that runs a different collective sends ring
 frames that the wait looks at (``_check_idle``): ``MismatchError`` there too.
 
-Measured (``bench/HISTORY.md``, "One-shot small allreduces"): against
-recursive doubling on the rings, ...
+Measured (``bench/HISTORY.md``, "Small allreduces in one shot"): the
+hand-written floors, 4 KiB back to back, are 4.5 us at N=2 and 24.8 at N=4
+through the mailboxes against 5.1 and 33.6 for recursive doubling on the
+rings; ``compare.py`` gives the route 1.13-1.48x the rings' busbw at 4-64 KiB.
 """
 
 from __future__ import annotations

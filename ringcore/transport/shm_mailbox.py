@@ -8,7 +8,7 @@ a mailbox each rank writes its input once, where every peer can read it, and
 waits once, for every peer's (the one-shot allreduce of
 :mod:`ringcore.plans.oneshot`). Measured on 2 cores with 4 ranks, 4 KiB float32
 sum, the same loop by hand in one job: 23 us per allreduce against 38-51 us on
-the rings (``bench/HISTORY.md``, "One-shot small allreduces").
+the rings (``bench/HISTORY.md``, "Small allreduces in one shot").
 
 Layout of a rank's mailbox (``segment_bytes``)::
 
