@@ -76,8 +76,13 @@ def test_a_gpu_buffer_among_host_ones_sends_every_rank_to_the_ring() -> None:
     inputs = list((rng.standard_normal((3, 3000)) * 3).astype(np.float32))  # 12 KB: small
     with Cluster(3, timeout=60) as cluster:
         cluster.results(gpu_tasks.use_fake, 2)
+        before = cluster.results(tasks.mailbox_posts)
         results = cluster.results(gpu_tasks.mixed_ring, inputs, "sum", None)
+        after = cluster.results(tasks.mailbox_posts)
         host = cluster.results(tasks.allreduce_routed, inputs, "sum")
+    assert [b - a for a, b in zip(before, after, strict=True)] == [1, 1, 1], (
+        "every rank posted, rank 1 absent"
+    )
     for rank, result in enumerate(results):
         check_allreduce(result.view(np.float32), inputs, "sum", where=f"rank {rank}, mixed")
         assert result.tobytes() == results[0].tobytes(), "ranks disagree on the bits"

@@ -36,7 +36,13 @@ from tests.tasks.collectives import (
     timeline_job,
     torch_allreduce,
 )
-from tests.tasks.direct import allreduce_of_rank_counts, allreduce_routed, can_copy, late_writer
+from tests.tasks.direct import (
+    allreduce_of_rank_counts,
+    allreduce_routed,
+    can_copy,
+    late_writer,
+    mailbox_posts,
+)
 from tests.tasks.endpoints import listening_report, repeated_allreduce, store_address, transport_report
 from tests.tasks.failures import (
     allreduce_until_failure,
@@ -116,6 +122,7 @@ __all__ = [
     "lifecycle_cycles",
     "listening_report",
     "loop_allreduce",
+    "mailbox_posts",
     "many_layouts",
     "mismatch_then_retry",
     "partial_sums_after_fault",

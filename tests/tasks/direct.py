@@ -123,3 +123,8 @@ def allreduce_of_rank_counts(comm: Any, counts: list[int]) -> dict[str, Any]:
     except ringcore.RingcoreError as err:
         return {"error": type(err).__name__, "message": str(err), "untouched": bool((x == before).all())}
     return {"error": "no error", "message": "", "untouched": bool((x == before).all())}
+
+
+def mailbox_posts(comm: Any) -> int:
+    """How many posts this rank made in its mailbox (the one-shot route's and the direct route's)."""
+    return int(comm.ctx.transport.mailbox.posts)

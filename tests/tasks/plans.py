@@ -73,11 +73,11 @@ def kept_layouts(comm: Any, form: str | None = None) -> int:
 
 def small_route(comm: Any) -> tuple[int, int]:
     """``(layouts, calls)`` of ``comm``'s kept plans on this job's small route: the one-shot route
-    on one host (``ringcore.plans.oneshot``), the small form on the rings where
-    ``RINGCORE_DIRECT_BYTES=0`` pins them or ranks span hosts."""
+    on one host (``ringcore.plans.oneshot``) unless ``RINGCORE_DIRECT_BYTES=0`` pins the rings,
+    where the small form counts. A job that should go one-shot and did not counts nothing."""
     stats = comm.plan_cache()
-    if stats["routed"].get("oneshot"):
-        return stats["routed"]["oneshot"], stats["calls"]["oneshot"]
+    if comm.ctx.settings.direct_bytes:
+        return stats["routed"].get("oneshot", 0), stats["calls"].get("oneshot", 0)
     return kept_layouts(comm, "small"), stats["calls"].get("small", 0)
 
 

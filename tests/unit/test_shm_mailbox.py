@@ -102,6 +102,25 @@ def test_a_frame_of_the_collective_while_waiting_for_posts_is_a_mismatch(part: i
         close_all(transports)
 
 
+def test_a_frame_from_a_peer_that_posted_is_a_fallback_not_a_mismatch() -> None:
+    """Rank 1 posts collective 6, then (every post seen, one absent) runs the ring: its frame comes
+    while rank 0 has not looked at the posts again. Rank 0 reads them and goes on."""
+    transports = connect_all(2)
+    try:
+        waiter, other = transports
+        waiter.spin = 0.0
+        waiter.expect(wire.tag_seq(6, 0), SIG)
+        assert waiter.await_posts(0, 6) == [1]
+        other.post(6, SIG, 0, 0)
+        frame = np.zeros(4, np.int32)
+        sent = other.isend(0, 0, wire.tag_seq(6, 0) << 32, SIG, view(frame))
+        drive(other, [sent])
+        waiter._check_idle()  # before progress reads the posts again: no mismatch
+        assert waiter.awaited == []
+    finally:
+        close_all(transports)
+
+
 def test_a_post_of_the_collective_while_waiting_for_frames_is_a_mismatch() -> None:
     """Rank 1 posts collective 9 where rank 0 waits for a frame of it: another route."""
     transports = connect_all(2)
