@@ -16,7 +16,9 @@ from ringcore.algo import lockstep
 from ringcore.transport import wire
 
 if TYPE_CHECKING:
+    from ringcore.buffers import Buffer, DType
     from ringcore.context import Context
+    from ringcore.ops import Compression, ReduceOp
 
 
 class Plan(Protocol):
@@ -27,6 +29,21 @@ class Plan(Protocol):
     details: dict[str, Any]
 
     def run(self, obj: Any, seq: int) -> Any: ...
+
+
+class RoutedPlan(Protocol):
+    """What a route chosen per call (direct, one-shot) reads of its allreduce plan (:class:`ringcore.plans.allreduce.AllreducePlan`)."""
+
+    ctx: Context
+    dtype: DType
+    op: ReduceOp
+    compression: Compression
+    count: int
+    nbytes: int
+    fields: tuple[Any, ...]
+    signature: int
+    buffer: Buffer | None  # a one-call plan's validated buffer; None: a kept plan's, per call
+    reducer: Any
 
 
 @dataclasses.dataclass

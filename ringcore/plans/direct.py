@@ -64,7 +64,7 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -77,14 +77,13 @@ from ringcore.errors import PeerFailure
 from ringcore.ops import Compression, ReduceOp
 from ringcore.plans import oneshot
 from ringcore.plans.barrier import bound_barrier
-from ringcore.plans.base import run_steps
+from ringcore.plans.base import RoutedPlan, run_steps
 from ringcore.plans.oneshot import OneShotRoute
 from ringcore.slicing import note_failure
 from ringcore.transport import cma, shm_ring, wire
 from ringcore.transport.shm import ShmTransport
 
 if TYPE_CHECKING:
-    from ringcore.buffers import Buffer, DType
     from ringcore.context import Context
 
 NONE, REMOTE, MAPPED = 0, 1, 2  # a rank's offer in the vote
@@ -139,21 +138,6 @@ class Remote:
 
 def _address(array: np.ndarray) -> int:
     return int(array.__array_interface__["data"][0])
-
-
-class RoutedPlan(Protocol):
-    """What the route reads of its allreduce plan (:class:`ringcore.plans.allreduce.AllreducePlan`)."""
-
-    ctx: Context
-    dtype: DType
-    op: ReduceOp
-    compression: Compression
-    count: int
-    nbytes: int
-    fields: tuple[Any, ...]
-    signature: int
-    buffer: Buffer | None  # a one-call plan's validated buffer; None: a kept plan's, per call
-    reducer: Any
 
 
 class Voting:

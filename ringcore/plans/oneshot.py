@@ -51,7 +51,7 @@ from ringcore.transport.base import FrameMismatch
 
 if TYPE_CHECKING:
     from ringcore.context import Context
-    from ringcore.plans.direct import RoutedPlan
+    from ringcore.plans.base import RoutedPlan
     from ringcore.transport.shm import ShmTransport
 
 ABSENT, POSTED = 0, 1  # a rank's post: its input is not in it (the plan's form runs), or it is
