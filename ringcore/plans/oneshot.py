@@ -28,8 +28,10 @@ compression, where every rank is on this host and mapped every mailbox
 allreduce on the rings). Every rank posts in every such allreduce: a rank
 whose buffer is not in host memory (a GPU's) posts that it does not take
 part, and then every rank runs its plan's own form, so host and GPU ranks
-still meet in one ring. A rank that runs a different collective sends ring
-frames that the wait looks at (``_check_idle``): ``MismatchError`` there too.
+still meet in one ring. A rank that runs something else is found from
+either side (``ShmTransport._check_idle``): its frames of this collective
+reach a rank awaiting posts, or this rank's post reaches it while it awaits
+frames (``Mailbox.stray``); ``MismatchError`` on every rank either way.
 
 Measured (``bench/HISTORY.md``, "Small allreduces in one shot"): the
 hand-written floors, 4 KiB back to back, are 4.5 us at N=2 and 24.8 at N=4

@@ -111,7 +111,9 @@ class Mailbox:
         """``(peer, its signature)`` of a peer that posted collective ``number`` (24 bits, as tags
         hold it) where this rank did not: it runs the one-shot route where this rank runs another.
 
-        None where this rank posted it too, or no peer did.
+        None where this rank posted it too, or no peer did. Ranks post in the same
+        collectives and a peer is at most one post ahead, so a slot of this rank's holds
+        any number a peer's still holds; the 24 bits wrap only for posts 2**24 collectives old.
         """
         if not number:
             return None  # collective 0 (the world's first barrier) is never posted
