@@ -12,7 +12,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from ringcore.algo import lockstep
+from ringcore.buffers import storage_view
 from ringcore.transport import wire
 
 if TYPE_CHECKING:
@@ -44,6 +47,20 @@ class RoutedPlan(Protocol):
     signature: int
     buffer: Buffer | None  # a one-call plan's validated buffer; None: a kept plan's, per call
     reducer: Any
+
+
+def host_array(plan: RoutedPlan, obj: Any) -> np.ndarray | None:
+    """This call's memory as the plan's flat storage array, or None where it is not host memory (a GPU's)."""
+    if plan.buffer is not None:  # a one-call plan's validated buffer
+        return plan.buffer.array if plan.buffer.device == "cpu" else None
+    return storage_view(obj, plan.dtype)
+
+
+def plan_reducer(plan: RoutedPlan) -> Any:
+    """The plan's reducer, made on first use (a route may run before the plan's form ever did)."""
+    if plan.reducer is None:
+        plan.reducer = plan.ctx.reducer(plan.dtype, plan.op, plan.compression)
+    return plan.reducer
 
 
 @dataclasses.dataclass

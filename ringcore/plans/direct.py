@@ -77,7 +77,7 @@ from ringcore.errors import PeerFailure
 from ringcore.ops import Compression, ReduceOp
 from ringcore.plans import oneshot
 from ringcore.plans.barrier import bound_barrier
-from ringcore.plans.base import RoutedPlan, run_steps
+from ringcore.plans.base import RoutedPlan, host_array, plan_reducer, run_steps
 from ringcore.plans.oneshot import OneShotRoute
 from ringcore.slicing import note_failure
 from ringcore.transport import cma, shm_ring, wire
@@ -226,7 +226,7 @@ class DirectRoute:
         if voting is not None and plan.nbytes >= ctx.settings.direct_bytes:
             desc = Descriptor("allreduce", seq, *plan.fields)
             try:
-                flat = self._flat(obj)
+                flat = host_array(plan, obj)
                 row = self._offer(flat, voting)
             except BaseException as err:  # the peers are in the vote already: tell them
                 ctx.fail(desc, err)
@@ -281,7 +281,7 @@ class DirectRoute:
                 gone = voting.gave_up(seq) if voting is not None else None
                 if gone is None:
                     lo, hi = direct.shares(plan.count, ctx.size, flat.itemsize)[ctx.rank]
-                    direct.reduce_and_push(flat, peers(), lo, hi, self._reducer())
+                    direct.reduce_and_push(flat, peers(), lo, hi, plan_reducer(plan))
                 if voting is not None:
                     voting.word[0] = 0
                 _barrier(ctx, seq, signature, last_part)  # every share is in every buffer
@@ -301,13 +301,6 @@ class DirectRoute:
                 )
             raise
         return True
-
-    def _flat(self, obj: Any) -> np.ndarray | None:
-        """This call's CPU memory as one contiguous array, or None (GPU memory)."""
-        plan = self.plan
-        if plan.buffer is not None:  # a one-call plan's validated buffer
-            return plan.buffer.array if plan.buffer.device == "cpu" else None
-        return storage_view(obj, plan.dtype)
 
     def _offer(self, flat: np.ndarray | None, voting: Voting) -> list[int]:
         if flat is None or not flat.flags.c_contiguous:
@@ -333,12 +326,6 @@ class DirectRoute:
         order = [(rank + step) % size for step in range(1, size)]
         scratch, pids, hosts = voting.scratch, voting.pids, voting.hosts
         return [Remote(peer, pids[peer], rows[peer][1], flat, scratch, hosts[peer]) for peer in order]
-
-    def _reducer(self) -> Any:
-        plan = self.plan
-        if plan.reducer is None:
-            plan.reducer = self.ctx.reducer(plan.dtype, plan.op, plan.compression)
-        return plan.reducer
 
 
 def _barrier(ctx: Context, seq: int, signature: int, part: int) -> None:

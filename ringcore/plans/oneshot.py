@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ringcore.algo.waiting import Watch
-from ringcore.buffers import storage_view
 from ringcore.descriptor import Descriptor
+from ringcore.plans.base import host_array, plan_reducer
 from ringcore.transport import wire
 from ringcore.transport.base import FrameMismatch
 
@@ -75,7 +75,7 @@ class OneShotRoute:
         assert mailbox is not None
         signature = plan.signature
         try:
-            flat = self._flat(obj)
+            flat = host_array(plan, obj)
             slot = mailbox.slot
             inputs = mailbox.inputs(slot, plan.nbytes, self.storage)
             if flat is not None:
@@ -89,26 +89,13 @@ class OneShotRoute:
         if not taking:
             return False
         assert flat is not None
-        reducer = self._reducer()
+        reducer = plan_reducer(plan)
         last = len(inputs) - 1
         reducer.combine(flat, inputs[0], inputs[1], final=last == 1)
         for index in range(2, last + 1):
             reducer.combine(flat, flat, inputs[index], final=index == last)
         self.calls += 1
         return True
-
-    def _flat(self, obj: Any) -> np.ndarray | None:
-        """This call's input in host memory, as the plan's storage dtype; None where it is not (a GPU)."""
-        plan = self.plan
-        if plan.buffer is not None:  # a one-call plan's validated buffer
-            return plan.buffer.array if plan.buffer.device == "cpu" else None
-        return storage_view(obj, plan.dtype)
-
-    def _reducer(self) -> Any:
-        plan = self.plan
-        if plan.reducer is None:
-            plan.reducer = self.ctx.reducer(plan.dtype, plan.op, plan.compression)
-        return plan.reducer
 
 
 def meet(ctx: Context, transport: ShmTransport, seq: int, signature: int, way: int, nbytes: int) -> int:
