@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from ringcore.errors import PeerFailure
 from ringcore.transport import shm_setup, wire
 from ringcore.transport.base import FrameMismatch
 from tests.conformance.test_transport import SIG, drive, view
@@ -135,6 +136,23 @@ def test_a_post_of_the_collective_while_waiting_for_frames_is_a_mismatch() -> No
         assert (caught.value.peer, caught.value.got) == (1, SIG + 1)
         waiter.cancel()
         assert waiter.mailbox is not None and waiter.mailbox.stray(8) is None  # only collective 9's
+    finally:
+        close_all(transports)
+
+
+def test_a_peer_that_shuts_down_before_posting_fails_the_wait() -> None:
+    """Rank 1 closes (BYE on TCP) while rank 0 waits for its post: PeerFailure naming it, not a timeout."""
+    transports = connect_all(2)
+    try:
+        waiter, other = transports
+        waiter.expect(wire.tag_seq(4, 0), SIG)
+        assert waiter.await_posts(0, 4) == [1]
+        other.close()
+        with pytest.raises(PeerFailure, match="before posting its input") as caught:
+            end = time.monotonic() + 10
+            while waiter.awaited and time.monotonic() < end:
+                waiter.progress(0.05)
+        assert caught.value.peer == 1
     finally:
         close_all(transports)
 
