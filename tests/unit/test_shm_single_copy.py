@@ -54,7 +54,8 @@ def test_a_process_reads_another_ones_token_and_nothing_else() -> None:
 
 
 def test_a_process_writes_another_ones_word_and_reads_it_back() -> None:
-    """``copy_out``/``copy_in`` at an address of another process: the direct allreduce's words and pushes."""
+    """A ``Channel``'s ``copy_out``/``copy_in`` at an address of another process: the direct allreduce's words and pushes,
+    the same channel again and again, as a ``Remote`` peer uses it."""
     holder = subprocess.Popen(
         [sys.executable, "-c", _HOLDER_WORD], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
@@ -62,18 +63,22 @@ def test_a_process_writes_another_ones_word_and_reads_it_back() -> None:
         assert holder.stdout is not None
         word = int(holder.stdout.readline())
         value, back = np.array([-12345], np.int64), np.zeros(1, np.int64)
-        cma.copy_out(holder.pid, value.ctypes.data, word, 8)
-        cma.copy_in(holder.pid, word, back.ctypes.data, 8)
+        channel = cma.Channel(holder.pid)
+        channel.copy_out(value.ctypes.data, word, 8)
+        channel.copy_in(word, back.ctypes.data, 8)
         assert back[0] == -12345
         with pytest.raises(OSError):
-            cma.copy_out(holder.pid, value.ctypes.data, 8, 8)  # not mapped there
+            channel.copy_out(value.ctypes.data, 8, 8)  # not mapped there
+        back[0] = 0
+        channel.copy_in(word, back.ctypes.data, 8)  # the same channel after a failure
+        assert back[0] == -12345
         holder.stdin.write(b"x\n")  # type: ignore[union-attr]
         holder.stdin.flush()  # type: ignore[union-attr]
         assert int(holder.stdout.readline()) == -12345, "the holder sees the word written"
     finally:
         holder.communicate(b"", timeout=20)
     with pytest.raises(OSError) as gone:
-        cma.copy_in(holder.pid, word, back.ctypes.data, 8)
+        channel.copy_in(word, back.ctypes.data, 8)
     assert gone.value.errno == errno.ESRCH
 
 
