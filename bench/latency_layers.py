@@ -27,6 +27,14 @@ allreduce of each, for 3 rounds, and what each layer adds:
 The first five are the rings' route (recursive doubling), the next two the
 mailboxes'; ``turn`` and ``api`` add their layers to the one-shot route.
 
+Then the same allreduce in ``compare.py``'s pattern (``barrier; t0; op; t1``,
+the median over iterations of the slowest rank): ``hand`` (a barrier and the
+one-shot allreduce, both by hand on the mailboxes) against ``api``
+(``ringcore.barrier`` and ``ringcore.allreduce``). With more ranks than cores,
+back-to-back loops hide what the pattern shows: each core runs every one of
+its ranks' Python between one barrier and the slowest rank's return, so the
+hand-written row is what no Python engine on this host can undercut there.
+
 The layers reach into ringcore's internals, so this is a measuring tool for
 this revision, not an API. Results are checked against the sum.
 """
@@ -154,6 +162,33 @@ def layers(x: np.ndarray, work: np.ndarray) -> dict[str, Callable[[int], None]]:
     }
 
 
+def hand_barrier() -> Callable[[int], None]:
+    """A barrier by hand on the mailboxes: post nothing, poll every peer's post with ``sched_yield``."""
+    comm = communicator()
+    mailbox, rank = comm.ctx.transport.mailbox, comm.ctx.rank
+    others = [peer for peer in range(comm.ctx.size) if peer != rank]
+
+    def barrier(seq: int) -> None:
+        slot = mailbox.post(seq, 0, 1, 0)
+        for peer in others:
+            while not mailbox.posted(peer, slot, seq):
+                os.sched_yield()
+
+    return barrier
+
+
+def in_pattern(barrier: Callable[[], None], op: Callable[[], None], iters: int) -> float:
+    """``compare.py``'s time of ``op``: ``barrier; t0; op; t1``, median over iterations of the slowest rank (us)."""
+    times = np.empty(iters)
+    for i in range(iters):
+        barrier()
+        start = time.perf_counter()
+        op()
+        times[i] = (time.perf_counter() - start) * 1e6
+    grid = ringcore.allgather(times).reshape(ringcore.size(), iters)
+    return float(np.median(grid.max(axis=0)))
+
+
 def main() -> None:
     ringcore.init()
     size = ringcore.size()
@@ -187,7 +222,38 @@ def main() -> None:
             added = "" if before is None else f"+{best - before:.1f}"
             print(f"  {name:9s} {' '.join(f'{v:6.1f}' for v in values)}   {added}")
             before = best
+    patterns = pattern_times(x, work, iters)
+    if ringcore.rank() == 0:
+        print("in compare.py's pattern (barrier; op), us per allreduce of the slowest rank, 3 rounds")
+        for name, values in patterns.items():
+            print(f"  {name:9s} {' '.join(f'{v:6.1f}' for v in values)}")
     ringcore.shutdown()
+
+
+def pattern_times(x: np.ndarray, work: np.ndarray, iters: int) -> dict[str, list[float]]:
+    """The hand-written barrier and one-shot allreduce, and ringcore's, in ``compare.py``'s pattern."""
+    comm = communicator()
+    box = layers(x, work)["mailbox"]
+    barrier = hand_barrier()
+
+    def numbered(run: Callable[[int], None]) -> Callable[[], None]:
+        def call() -> None:  # below the turn: number the collective as the turn would
+            comm._next_ticket += 1
+            comm._turn += 1
+            run(comm._next_ticket)
+
+        return call
+
+    def api() -> None:
+        work[...] = x
+        ringcore.allreduce(work)
+
+    rows = {"hand": (numbered(barrier), numbered(box)), "api": (ringcore.barrier, api)}
+    times: dict[str, list[float]] = {}
+    for _ in range(3):
+        for name, (wait, op) in rows.items():
+            times.setdefault(name, []).append(in_pattern(wait, op, iters))
+    return times
 
 
 if __name__ == "__main__":

@@ -1,13 +1,24 @@
-"""The barrier plan: the dissemination schedule's steps, bound once per communicator.
+"""The barrier plan: one post in the mailboxes on one host, else the dissemination schedule's steps.
 
-On a job of several hosts with several ranks each (the grid every rank
-shares), the hierarchical barrier (:func:`ringcore.algo.hierarchical.barrier`)
-unless ``RINGCORE_HIERARCHICAL=0``: fewer rounds wait on the network.
+:func:`synchronise` is every "wait until every rank got here" of the library:
+the barrier's, and the direct allreduce's two (:mod:`ringcore.plans.direct`).
 
-A barrier carries no data, so the Communicator keeps one plan, whose steps
-are bound once (to an empty WORK) in the first barrier's turn; every barrier, including the numbered-zero one that confirms the world at
-start-up, runs them in lockstep (:func:`ringcore.plans.base.run_steps`) with
-the communicator's timeout, stall check and failure handling.
+- Where every rank of the job mapped every mailbox (one host,
+  :mod:`ringcore.transport.shm_mailbox`), a barrier is an empty post and one
+  wait for every peer's (:func:`ringcore.plans.oneshot.meet`: the timeout,
+  the stall check, a dead or departed peer named, a peer in another
+  collective a ``MismatchError``). The dissemination schedule waits
+  ``log2 N`` times, each on one partner's frame: at N=4 on 2 cores
+  ``ringcore.barrier()`` took 62 us back to back, and 32 us posted
+  (``bench/HISTORY.md``, "Barriers in the mailboxes").
+- Elsewhere, the dissemination steps (on a job of several hosts with several
+  ranks each, the hierarchical barrier, :func:`ringcore.algo.hierarchical.barrier`,
+  unless ``RINGCORE_HIERARCHICAL=0``: fewer rounds wait on the network),
+  bound once per context (to an empty WORK) and run in lockstep
+  (:func:`ringcore.plans.base.run_steps`) with the communicator's timeout,
+  stall check and failure handling. So does the numbered-zero barrier that
+  confirms the world at start-up, which no mailbox holds (a slot's number
+  starts at 0).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from ringcore.algo.steps import Buf
 from ringcore.buffers import DTYPES
 from ringcore.descriptor import Descriptor
 from ringcore.ops import Compression, ReduceOp
+from ringcore.plans import oneshot
 from ringcore.plans.base import run_steps
 
 if TYPE_CHECKING:
@@ -39,18 +51,28 @@ class BarrierPlan:
         self.ctx = ctx
         self.details: dict[str, Any] = {}
         self.signature = Descriptor("barrier", 0, "uint8", ()).signature()
-        self._bound: BoundBarrier | None = None
 
     def run(self, obj: Any, seq: int) -> None:
         ctx = self.ctx
         if ctx.size < 2:
             return
-        if self._bound is None:  # bound in the turn, like everything touching the transport
-            self._bound = bound_barrier(ctx)
         try:
-            self._bound.run(seq, self.signature)
+            synchronise(ctx, seq, self.signature)
         except BaseException as err:
             ctx.fail(Descriptor("barrier", seq, "uint8", ()), err)
+
+
+def synchronise(ctx: Context, seq: int, signature: int, part: int = 0) -> None:
+    """Wait until every rank got here in collective ``seq`` (module docstring): an empty post in the
+    mailboxes where the ranks have them, else the barrier's steps (schedule ``part``).
+
+    Raises what the caller's ``ctx.fail`` turns into every rank's error.
+    """
+    transport = ctx.transport
+    if seq and getattr(transport, "mailbox", None) is not None:
+        oneshot.meet(ctx, transport, seq, signature, oneshot.POSTED, 0)  # type: ignore[arg-type]
+    else:
+        bound_barrier(ctx).run(seq, signature, part)  # bound in the turn, as all that touches the transport
 
 
 class BoundBarrier:

@@ -76,7 +76,7 @@ from ringcore.descriptor import Descriptor
 from ringcore.errors import PeerFailure
 from ringcore.ops import Compression, ReduceOp
 from ringcore.plans import oneshot
-from ringcore.plans.barrier import bound_barrier
+from ringcore.plans.barrier import synchronise
 from ringcore.plans.base import RoutedPlan, host_array, plan_reducer, run_steps
 from ringcore.plans.oneshot import OneShotRoute
 from ringcore.slicing import note_failure
@@ -250,7 +250,7 @@ class DirectRoute:
         signature = desc.signature()
 
         def meet() -> tuple[int, Callable[[], list[direct.Peer]]]:
-            _barrier(ctx, seq, signature, 0)
+            synchronise(ctx, seq, signature, 0)
             views = allocation.peers(offset, plan.count, flat.dtype)
             return MAPPED, lambda: [direct.Mapped(view) for view in views]
 
@@ -289,7 +289,7 @@ class DirectRoute:
                     direct.reduce_and_push(flat, peers(), lo, hi, plan_reducer(plan))
                 if voting is not None:
                     voting.word[0] = 0
-                _barrier(ctx, seq, signature, last_part)  # every share is in every buffer
+                synchronise(ctx, seq, signature, last_part)  # every share is in every buffer
                 if gone is not None:  # its ABORT, with the reason, normally fails the barrier first
                     raise PeerFailure(
                         f"rank {gone} gave up on this allreduce before this rank wrote to it", gone
@@ -336,16 +336,6 @@ class DirectRoute:
             peers = [Remote(peer, pids[peer], rows[peer][1], flat, scratch, hosts[peer]) for peer in order]
             self._remote = (addresses, peers)  # type: ignore[assignment]
         return self._remote[1]
-
-
-def _barrier(ctx: Context, seq: int, signature: int, part: int) -> None:
-    """Wait until every rank got here in collective ``seq``: an empty post in the mailboxes where the
-    ranks have them (one wait, as the one-shot route's), else the barrier's steps (schedule ``part``)."""
-    transport = ctx.transport
-    if getattr(transport, "mailbox", None) is not None:
-        oneshot.meet(ctx, transport, seq, signature, oneshot.POSTED, 0)  # type: ignore[arg-type]
-    else:
-        bound_barrier(ctx).run(seq, signature, part)
 
 
 def _agreed(rows: list[list[int]]) -> int:

@@ -41,7 +41,9 @@ def layout(comm: object) -> dict[str, object]:
     comm.barrier()  # type: ignore[attr-defined]
     grid = comm.ctx.grid  # type: ignore[attr-defined]
     host = {rank: h for h, row in enumerate(grid) for rank in row}
-    barrier_peers = [step[1][0] for step in comm._barrier._bound.steps]  # type: ignore[attr-defined]
+    from ringcore.plans.barrier import bound_barrier
+
+    barrier_peers = [step[1][0] for step in bound_barrier(comm.ctx).steps]  # type: ignore[attr-defined]
     return {
         "barrier": [host[peer] == host[comm.rank] for peer in barrier_peers],  # type: ignore[attr-defined]
         "grid": comm.ctx.grid,  # type: ignore[attr-defined]
