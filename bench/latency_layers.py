@@ -222,7 +222,7 @@ def main() -> None:
             added = "" if before is None else f"+{best - before:.1f}"
             print(f"  {name:9s} {' '.join(f'{v:6.1f}' for v in values)}   {added}")
             before = best
-    patterns = pattern_times(x, work, iters)
+    patterns = pattern_times(x, work, want, iters)
     if ringcore.rank() == 0:
         print("in compare.py's pattern (barrier; op), us per allreduce of the slowest rank, 3 rounds")
         for name, values in patterns.items():
@@ -230,8 +230,9 @@ def main() -> None:
     ringcore.shutdown()
 
 
-def pattern_times(x: np.ndarray, work: np.ndarray, iters: int) -> dict[str, list[float]]:
-    """The hand-written barrier and one-shot allreduce, and ringcore's, in ``compare.py``'s pattern."""
+def pattern_times(x: np.ndarray, work: np.ndarray, want: np.ndarray, iters: int) -> dict[str, list[float]]:
+    """The hand-written barrier and one-shot allreduce, and ringcore's, in ``compare.py``'s pattern
+    (results checked against ``want``)."""
     comm = communicator()
     box = layers(x, work)["mailbox"]
     barrier = hand_barrier()
@@ -252,7 +253,12 @@ def pattern_times(x: np.ndarray, work: np.ndarray, iters: int) -> dict[str, list
     times: dict[str, list[float]] = {}
     for _ in range(3):
         for name, (wait, op) in rows.items():
+            work[...] = 0
             times.setdefault(name, []).append(in_pattern(wait, op, iters))
+            if not np.array_equal(work, want):
+                raise SystemExit(
+                    f"latency_layers: {name} in the pattern gave {work[:4]}, expected {want[:4]}"
+                )
     return times
 
 
