@@ -1,4 +1,4 @@
-"""The broadcast plan: root's buffer into every rank's, in slices of bounded scratch."""
+"""The broadcast plan: root's buffer into every rank's, in one shot on one host, else in slices of bounded scratch."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 from ringcore.algo.steps import Buf
 from ringcore.descriptor import Descriptor
 from ringcore.ops import Compression, ReduceOp
+from ringcore.plans import oneshot
 from ringcore.plans.base import CallPlan
 from ringcore.plans.validate import as_buffer, check_root
 from ringcore.slicing import broadcast_schedule, buffer_slices, failure_note
@@ -20,9 +21,14 @@ if TYPE_CHECKING:
 def plan_broadcast(ctx: Context, obj: Any, root: int) -> CallPlan:
     """Copy ``root``'s ``obj`` into every rank's ``obj`` (validated here); the result is ``obj``.
 
-    Each slice (``RINGCORE_SLICE_BYTES`` of scratch) is a complete chain
-    broadcast; non-root ranks receive into scratch and copy into their buffer
-    once the slice is complete, so a failure leaves later slices untouched.
+    At most a mailbox's slot, where every rank has mailboxes: one shot
+    (:func:`ringcore.plans.oneshot.exchange`): the root posts its buffer, every
+    other rank posts that it takes part and copies the root's post; a rank
+    whose buffer is on a GPU posts that it does not, and every rank runs the
+    chain. Otherwise each slice (``RINGCORE_SLICE_BYTES`` of scratch) is a
+    complete chain broadcast; non-root ranks receive into scratch and copy
+    into their buffer once the slice is complete, so a failure leaves later
+    slices untouched.
     """
     root = check_root(root, ctx.size, "broadcast")
     buffer = as_buffer(obj, writable=ctx.rank != root, what="broadcast buffer")
@@ -31,6 +37,16 @@ def plan_broadcast(ctx: Context, obj: Any, root: int) -> CallPlan:
         if ctx.size < 2:
             return obj
         desc = Descriptor("broadcast", seq, buffer.dtype.name, buffer.shape, None, root)
+        mailbox = oneshot.mailbox_of(ctx)
+        if mailbox is not None and buffer.nbytes <= mailbox.slot_bytes:
+            host, mine = buffer.device == "cpu", ctx.rank == root
+            posts = oneshot.exchange(
+                ctx, desc, host, buffer.array if host and mine else None, buffer.nbytes if mine else 0
+            )
+            if all(way == oneshot.POSTED for way, _, _ in posts):
+                if not mine:
+                    buffer.array.reshape(-1).view(np.uint8)[...] = posts[root][2]
+                return obj
         if buffer.device == "cuda":
             from ringcore.plans import device
 

@@ -1,4 +1,5 @@
-"""The one-shot allreduce of small inputs on one host (``ringcore.plans.oneshot``), across real processes.
+"""The one-shot allreduce of small inputs on one host (``ringcore.plans.oneshot``), across real processes,
+and the one-shot broadcast, allgather and reduce_scatter.
 
 Every rank posts its input in its shared-memory mailbox, waits once for
 every peer's and reduces all of them. Checked here: the results against
@@ -99,3 +100,58 @@ def test_a_rank_on_another_route_is_a_mismatch_on_every_rank(large: int) -> None
         assert report["error"] == "MismatchError", (rank, report)
         assert f"({large},)" in report["message"] and "(100,)" in report["message"], (rank, report)
         assert report["untouched"], (rank, report)
+
+
+def _posted_calls(size: int) -> tuple[list[tuple[str, object]], list[int]]:
+    """Broadcasts, allgathers and reduce_scatters, and how many posts each makes on one host."""
+    rng = np.random.default_rng(40 + size)
+    calls: list[tuple[str, object]] = []
+    for dtype, shape, root in [
+        ("float32", (1000,), size - 1),
+        ("int64", (3, 17), 0),
+        ("float16", (5, 5), 1),
+        ("uint8", (0,), 0),
+    ]:
+        calls.append(("broadcast", ([rng.integers(-99, 99, shape).astype(dtype) for _ in range(size)], root)))
+    calls.append(("allgather", [rng.integers(-9, 9, (rank, 7)).astype(np.float32) for rank in range(size)]))
+    big = [rng.integers(-9, 9, (200 if rank == size - 1 else 3, 100)) for rank in range(size)]
+    calls.append(("allgather", [rows.astype(np.float64) for rows in big]))  # the last rank's 160 KB: the ring
+    for dtype, op in [("float32", "sum"), ("int32", "max"), ("float64", "avg")]:
+        inputs = [rng.integers(-50, 50, (size * 3 + 1, 5)).astype(dtype) for _ in range(size)]
+        calls.append(("reduce_scatter", (inputs, op)))
+    large = [rng.integers(-5, 5, (size * 4, 5000)).astype(np.float32) for _ in range(size)]  # past a slot
+    calls.append(("reduce_scatter", (large, "sum")))
+    return calls, [1, 1, 1, 1, 1, 1, 1, 1, 1, 0]
+
+
+def _reference(kind: str, args: object, rank: int, size: int) -> np.ndarray:
+    if kind == "broadcast":
+        inputs, root = args  # type: ignore[misc]
+        return inputs[root]
+    if kind == "allgather":
+        return np.concatenate(args)  # type: ignore[arg-type]
+    inputs, op = args  # type: ignore[misc]
+    stacked = np.stack(inputs)
+    reduced = {"sum": stacked.sum(0), "max": stacked.max(0), "avg": stacked.sum(0) / size}[op]
+    return np.array_split(reduced.astype(inputs[0].dtype), size)[rank]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_small_broadcasts_and_gathers_go_one_shot_and_match_numpy_and_tcp(size: int) -> None:
+    """The same calls over TCP (no mailboxes) and on one host: the same bits, and numpy's."""
+    calls, expected_posts = _posted_calls(size)
+    with Cluster(size, env={"RINGCORE_TRANSPORT": "tcp"}, timeout=120) as cluster:
+        over_tcp = cluster.results(tasks.posted_collectives, calls)
+    with Cluster(size, timeout=120) as cluster:
+        posted = cluster.results(tasks.posted_collectives, calls)
+    for rank in range(size):
+        assert over_tcp[rank]["posts"] == [0] * len(calls), over_tcp[rank]["posts"]
+        assert posted[rank]["posts"] == expected_posts, f"rank {rank}: {posted[rank]['posts']}"
+        for (kind, args), got, by_tcp in zip(
+            calls, posted[rank]["results"], over_tcp[rank]["results"], strict=True
+        ):
+            where = f"rank {rank} {kind} {got.dtype} {got.shape}"
+            np.testing.assert_allclose(got, _reference(kind, args, rank, size), rtol=1e-12, err_msg=where)
+            assert got.dtype == by_tcp.dtype and got.shape == by_tcp.shape, where
+            assert got.tobytes() == by_tcp.tobytes(), f"{where}: not the general route's bits"

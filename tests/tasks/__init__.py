@@ -42,6 +42,7 @@ from tests.tasks.direct import (
     can_copy,
     late_writer,
     mailbox_posts,
+    posted_collectives,
 )
 from tests.tasks.endpoints import listening_report, repeated_allreduce, store_address, transport_report
 from tests.tasks.failures import (
@@ -127,6 +128,7 @@ __all__ = [
     "mismatch_then_retry",
     "partial_sums_after_fault",
     "per_rank",
+    "posted_collectives",
     "reduce_scatter",
     "reinit_after_failure",
     "repeated_allreduce",

@@ -128,3 +128,24 @@ def allreduce_of_rank_counts(comm: Any, counts: list[int]) -> dict[str, Any]:
 def mailbox_posts(comm: Any) -> int:
     """How many posts this rank made in its mailbox (the one-shot route's and the direct route's)."""
     return int(comm.ctx.transport.mailbox.posts)
+
+
+def posted_collectives(comm: Any, calls: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Run ``calls`` (``("broadcast", (inputs, root))``, ``("allgather", inputs)``,
+    ``("reduce_scatter", (inputs, op))``: one input per rank) in order; each result, and how
+    many posts this rank made in its mailbox per call (0 without mailboxes)."""
+    mailbox = getattr(comm.ctx.transport, "mailbox", None)
+    results, posts = [], []
+    for kind, args in calls:
+        before = mailbox.posts if mailbox is not None else 0
+        if kind == "broadcast":
+            inputs, root = args
+            buf = inputs[comm.rank].copy()
+            results.append(comm.broadcast(buf, root=root).copy())
+        elif kind == "allgather":
+            results.append(comm.allgather(args[comm.rank]))
+        else:
+            inputs, op = args
+            results.append(comm.reduce_scatter(inputs[comm.rank], op=op))
+        posts.append((mailbox.posts if mailbox is not None else 0) - before)
+    return {"results": results, "posts": posts}
