@@ -103,6 +103,20 @@ MISMATCHES: dict[str, tuple[list[Call], list[str], list[float] | None]] = {
         ["root", "rank 0 passed 0", "ranks 1-2 passed 1"],
         [0.5, 0.0, 0.0],
     ),
+    # Rank 0's 400 KB go down the chain, ranks 1-2's 400 bytes in one shot through the mailboxes.
+    "broadcast_route": (
+        [
+            ("broadcast", (_arange(100_000),), {"root": 0}),
+            *_same(("broadcast", (_arange(100),), {"root": 0}), 2),
+        ],
+        ["shape", "rank 0 passed (100000,)", "ranks 1-2 passed (100,)"],
+        None,
+    ),
+    "allgather_rows": (
+        [*_same(("allgather", (_arange(100).reshape(10, 10),), {}), 2), ("allgather", (_arange(100),), {})],
+        ["shape", "rank 2 passed ()"],
+        None,
+    ),
     "collective": (
         [*_same(("allreduce", (_arange(100),), {}), 2), ("barrier", (), {})],
         ["the collective", "ranks 0-1 passed allreduce", "rank 2 passed barrier"],
