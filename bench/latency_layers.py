@@ -163,7 +163,11 @@ def layers(x: np.ndarray, work: np.ndarray) -> dict[str, Callable[[int], None]]:
 
 
 def hand_barrier() -> Callable[[int], None]:
-    """A barrier by hand on the mailboxes: post nothing, poll every peer's post with ``sched_yield``."""
+    """A barrier by hand on the mailboxes: post nothing, poll every peer's post with ``sched_yield``.
+
+    It rings no doorbells, so it is safe only beside waiters that poll (the hand-written rows):
+    ringcore's own waits may sleep on their doorbell.
+    """
     comm = communicator()
     mailbox, rank = comm.ctx.transport.mailbox, comm.ctx.rank
     others = [peer for peer in range(comm.ctx.size) if peer != rank]

@@ -91,17 +91,26 @@ MISMATCHES: dict[str, tuple[list[Call], list[str], list[float] | None]] = {
         ["compression", "ranks 0-1 passed none", "rank 2 passed fp16"],
         None,
     ),
-    # Rank 1 (root for ranks 1-2) arrives last: rank 0's data reaches it first and is refused.
+    # 400-byte broadcasts go one shot: the posts' signatures differ. Rank 1 (root for ranks 1-2) arrives last.
     "broadcast_root": (
         [("broadcast", (_arange(100),), {"root": 0}), *_same(("broadcast", (_arange(100),), {"root": 1}), 2)],
         ["root", "rank 0 passed 0", "ranks 1-2 passed 1"],
         [0.0, 0.5, 0.0],
     ),
-    # Rank 0 (the odd one out) arrives last: rank 2 hears only from rank 1, which agrees with it.
+    # Rank 0 (the odd one out) arrives last: ranks 1-2 have posted alike and wait for its post.
     "broadcast_root_late_odd_rank": (
         [("broadcast", (_arange(100),), {"root": 0}), *_same(("broadcast", (_arange(100),), {"root": 1}), 2)],
         ["root", "rank 0 passed 0", "ranks 1-2 passed 1"],
         [0.5, 0.0, 0.0],
+    ),
+    # 400 KB broadcasts go down the chain (past a mailbox's slot): the chain's own root check.
+    "broadcast_root_chain": (
+        [
+            ("broadcast", (_arange(100_000),), {"root": 0}),
+            *_same(("broadcast", (_arange(100_000),), {"root": 1}), 2),
+        ],
+        ["root", "rank 0 passed 0", "ranks 1-2 passed 1"],
+        [0.0, 0.5, 0.0],
     ),
     # Rank 0's 400 KB go down the chain, ranks 1-2's 400 bytes in one shot through the mailboxes.
     "broadcast_route": (

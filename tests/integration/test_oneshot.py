@@ -146,7 +146,6 @@ def test_small_broadcasts_and_gathers_go_one_shot_and_match_numpy_and_tcp(size: 
     with Cluster(size, timeout=120) as cluster:
         posted = cluster.results(tasks.posted_collectives, calls)
     for rank in range(size):
-        assert over_tcp[rank]["posts"] == [0] * len(calls), over_tcp[rank]["posts"]
         assert posted[rank]["posts"] == expected_posts, f"rank {rank}: {posted[rank]['posts']}"
         for (kind, args), got, by_tcp in zip(
             calls, posted[rank]["results"], over_tcp[rank]["results"], strict=True
@@ -154,4 +153,5 @@ def test_small_broadcasts_and_gathers_go_one_shot_and_match_numpy_and_tcp(size: 
             where = f"rank {rank} {kind} {got.dtype} {got.shape}"
             np.testing.assert_allclose(got, _reference(kind, args, rank, size), rtol=1e-12, err_msg=where)
             assert got.dtype == by_tcp.dtype and got.shape == by_tcp.shape, where
+            # integer-valued inputs: every order of reduction gives the same bits
             assert got.tobytes() == by_tcp.tobytes(), f"{where}: not the general route's bits"
