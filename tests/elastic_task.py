@@ -72,10 +72,12 @@ def gradient(w: np.ndarray, basis: np.ndarray, epoch: int, batch: int, rank: int
 
 def arm_fault(signum: int, stamp: Path) -> None:
     """Send this process ``signum`` just before its 2nd send from now on (inside the next collective),
-    writing the wall-clock time to ``stamp`` first."""
+    writing the wall-clock time to ``stamp`` first. A post in the shared-memory mailboxes (the
+    one-shot collectives on one host) counts as a send."""
     transport = ringcore.communicator().transport
     posted = [0]
     isend, swap = transport.isend, getattr(transport, "swap", None)
+    post = getattr(transport, "post", None) if getattr(transport, "mailbox", None) else None
 
     def count() -> None:
         posted[0] += 1
@@ -92,9 +94,15 @@ def arm_fault(signum: int, stamp: Path) -> None:
             count()
         return swap(send, *rest)
 
+    def counted_post(*args: Any) -> Any:
+        count()
+        return post(*args)  # type: ignore[misc]
+
     transport.isend = counted_isend
     if swap is not None:
         transport.swap = counted_swap
+    if post is not None:
+        transport.post = counted_post
 
 
 def die_joining(spec: str | None) -> None:
