@@ -194,20 +194,30 @@ def test_sigkill_mid_allreduce_fails_every_survivor(
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize(("size", "victim"), [(3, 2), (4, 0)])
-def test_rank_exiting_during_barrier_fails_the_others(size: int, victim: int) -> None:
-    """The victim exits from inside the barrier, at its first send."""
+@pytest.mark.parametrize(
+    ("size", "victim", "kind"),
+    [
+        (3, 2, "barrier"),
+        (4, 0, "barrier"),
+        (3, 0, "broadcast"),
+        (3, 1, "allgather"),
+        (4, 3, "reduce_scatter"),
+    ],
+)
+def test_rank_exiting_during_barrier_fails_the_others(size: int, victim: int, kind: str) -> None:
+    """The victim exits from inside the barrier (or a one-shot broadcast, allgather or reduce_scatter:
+    one host, 4 KiB), at its first send or post."""
     with Cluster(size, env={"RINGCORE_TIMEOUT": "20"}) as cluster:
         started = time.monotonic()
-        outcomes = cluster.run(tasks.exit_or_barrier, victim, timeout=DETECTION_BOUND + 30)
+        outcomes = cluster.run(tasks.exit_or_barrier, victim, kind, timeout=DETECTION_BOUND + 30)
         elapsed = time.monotonic() - started
     assert isinstance(outcomes[victim], RankError) and outcomes[victim].type_name == "dead", outcomes[victim]
     for rank in others(size, victim):
         error = outcomes[rank]
         assert isinstance(error, RankError) and type(error.exception) is ringcore.PeerFailure, (rank, error)
         assert error.exception.peer == victim, (rank, error)
-        assert f"rank {victim}" in error.message and "barrier" in error.message, (rank, error)
-    assert elapsed < DETECTION_BOUND, f"the barrier failed only after {elapsed:.1f} s"
+        assert f"rank {victim}" in error.message and kind in error.message, (rank, error)
+    assert elapsed < DETECTION_BOUND, f"the {kind} failed only after {elapsed:.1f} s"
 
 
 @pytest.mark.timeout(90)

@@ -125,14 +125,22 @@ def allreduce_until_failure(
     return {"error": "no error", "rounds": max_rounds}
 
 
-def exit_or_barrier(comm: Any, victim: int) -> str:
-    """Every rank enters a barrier; the victim exits abruptly (``os._exit(3)``) from inside it, at its first send."""
+def exit_or_barrier(comm: Any, victim: int, kind: str = "barrier") -> str:
+    """Every rank enters a barrier (or a 4 KiB ``kind``: broadcast, allgather, reduce_scatter); the
+    victim exits abruptly (``os._exit(3)``) from inside it, at its first send (or post)."""
     import os
 
     if comm.rank == victim:
         SendTrigger(comm.transport).arm(1, lambda: os._exit(3))
-    comm.barrier()
-    return "barrier passed"
+    x = np.ones((comm.size, 1024 // comm.size), np.float32)
+    calls = {
+        "barrier": comm.barrier,
+        "broadcast": lambda: comm.broadcast(x, root=0),
+        "allgather": lambda: comm.allgather(x),
+        "reduce_scatter": lambda: comm.reduce_scatter(x),
+    }
+    calls[kind]()
+    return f"{kind} passed"
 
 
 def partial_sums_after_fault(comm: Any, count: int, fault: tuple[int, str, str, float]) -> dict[str, Any]:
