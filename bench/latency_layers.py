@@ -45,6 +45,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -207,12 +208,7 @@ def main() -> None:
             ringcore.barrier()
             start = time.perf_counter()
             for _ in range(iters):
-                if name in ("turn", "api"):
-                    run(comm._next_ticket + 1)
-                else:  # below the turn: number the collective as the turn would
-                    comm._next_ticket += 1
-                    comm._turn += 1
-                    run(comm._next_ticket)
+                run(0 if name in ("turn", "api") else next_seq(comm))
             times.setdefault(name, []).append((time.perf_counter() - start) / iters * 1e6)
             if not np.array_equal(work, want):
                 raise SystemExit(f"latency_layers: {name} gave {work[:4]}, expected {want[:4]}")
@@ -234,6 +230,13 @@ def main() -> None:
     ringcore.shutdown()
 
 
+def next_seq(comm: Any) -> int:
+    """Below the turn: take a ticket and pass its turn, as the communicator would; the collective's number."""
+    seq = next(comm._tickets) + 1
+    comm._turn += 1
+    return seq
+
+
 def pattern_times(x: np.ndarray, work: np.ndarray, want: np.ndarray, iters: int) -> dict[str, list[float]]:
     """The hand-written barrier and one-shot allreduce, and ringcore's, in ``compare.py``'s pattern
     (results checked against ``want``)."""
@@ -242,10 +245,8 @@ def pattern_times(x: np.ndarray, work: np.ndarray, want: np.ndarray, iters: int)
     barrier = hand_barrier()
 
     def numbered(run: Callable[[int], None]) -> Callable[[], None]:
-        def call() -> None:  # below the turn: number the collective as the turn would
-            comm._next_ticket += 1
-            comm._turn += 1
-            run(comm._next_ticket)
+        def call() -> None:
+            run(next_seq(comm))
 
         return call
 

@@ -136,7 +136,7 @@ def local_size() -> int:
 
 def allreduce(buf: Any, op: Any = "sum", compression: Any = None, name: str | None = None) -> Any:
     """See :meth:`Communicator.allreduce`."""
-    return communicator().allreduce(buf, op=op, compression=compression, name=name)
+    return communicator().allreduce(buf, op, compression, name)  # positional: keywords cost 0.2 us
 
 
 def allreduce_async(buf: Any, op: Any = "sum", compression: Any = None, name: str | None = None) -> Handle:

@@ -94,9 +94,10 @@ class OneShotRoute:
             if flat is not None:
                 inputs[ctx.rank][...] = flat
             meet(ctx, transport, seq, signature, ABSENT if flat is None else POSTED, plan.nbytes)
-            taking = flat is not None and all(
-                mailbox.header(peer, slot)[2] == POSTED for peer in mailbox.peers
-            )
+            taking = flat is not None
+            for peer in mailbox.peers:  # a loop, not all(generator): 0.8 us of a 4 KiB allreduce's 12
+                if mailbox.header(peer, slot)[2] != POSTED:
+                    taking = False
         except BaseException as err:
             ctx.fail(Descriptor("allreduce", seq, *plan.fields), err)
         if not taking:

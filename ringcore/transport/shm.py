@@ -727,9 +727,14 @@ class ShmTransport:
         ``spin`` s first (without a syscall for ``TIGHT_SPIN`` s, then with
         ``sched_yield``, at least once), with no wait loop or liveness look.
         """
-        posted = self.mailbox.posted  # type: ignore[union-attr]
+        mailbox = self.mailbox
+        assert mailbox is not None
+        posted = mailbox.posted
         self.awaited_post = (slot, seq)
-        awaited = [peer for peer in self.mailbox.peers if not posted(peer, slot, seq)]  # type: ignore[union-attr]
+        awaited = []
+        for peer in mailbox.peers:  # a loop, not a comprehension: this runs before every small collective
+            if not posted(peer, slot, seq):
+                awaited.append(peer)
         if awaited:
             start = time.perf_counter()
             tight, deadline = min(self.tight_spin, self.spin), start + self.spin

@@ -97,7 +97,7 @@ class Mailbox:
 
     def posted(self, peer: int, slot: int, seq: int) -> bool:
         """Whether ``peer`` has posted collective ``seq`` in ``slot``."""
-        return bool(self.heads[peer][slot][0] == seq)
+        return self.heads[peer][slot][0] == seq
 
     def header(self, peer: int, slot: int) -> memoryview:
         """``peer``'s header in ``slot`` as u64 words: ``[seq, signature, way, nbytes, ...]``."""

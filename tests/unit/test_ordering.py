@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -53,4 +54,32 @@ def test_a_caller_interrupted_before_its_turn_breaks_the_communicator_instead_of
     assert not waiter.is_alive(), "the call after the interrupted one waited forever"
     assert isinstance(outcome["error"], ringcore.CommunicatorClosed), outcome
     assert "#2 was interrupted (KeyboardInterrupt)" in str(outcome["error"])
+    comm.shutdown()
+
+
+def test_threads_racing_for_turns_run_every_ticket_once_in_order_and_none_waits_forever() -> None:
+    """Blocking calls from four threads, thread switches forced every microsecond: the turn is passed
+    without a lock, so a waiter that misses the pass would hang here (the test's timeout)."""
+    comm = Communicator(0, 1, 0, 1, Settings(), None)
+    ran: list[int] = []
+
+    def record(obj: Any, seq: int) -> None:
+        ran.append(seq)
+
+    def caller() -> None:
+        for _ in range(500):
+            comm._run(CallPlan("test", record), None, None)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=caller, daemon=True) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+    finally:
+        sys.setswitchinterval(switch)
+    assert not any(thread.is_alive() for thread in threads), "a caller waited forever for its turn"
+    assert ran == list(range(1, 2001))
     comm.shutdown()
