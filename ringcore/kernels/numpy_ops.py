@@ -130,6 +130,26 @@ class Reducer:
         self._widen = np.empty(0, self.acc_dtype)
         self._result: np.ndarray | None = None
 
+    def reduce(self, dst: np.ndarray, inputs: list[np.ndarray]) -> None:
+        """``dst = op(inputs[0], inputs[1], ...)``, combined in list order, with avg's division at the end.
+
+        The inputs (two or more) share one dtype. Bit for bit what ``combine`` gives
+        pairwise in the same order: the same ufunc calls, with one dtype check for all.
+        """
+        last = len(inputs) - 1
+        acc = self.acc_dtype
+        if dst.dtype is not acc or inputs[0].dtype is not acc:
+            self.combine(dst, inputs[0], inputs[1], final=last == 1)
+            for index in range(2, last + 1):
+                self.combine(dst, dst, inputs[index], final=index == last)
+            return
+        ufunc = self.ufunc
+        ufunc(inputs[0], inputs[1], out=dst)
+        for index in range(2, last + 1):
+            ufunc(dst, inputs[index], out=dst)
+        if self.op is ReduceOp.AVG and self.world > 1:
+            np.divide(dst, self.world, out=dst, casting="unsafe")
+
     def combine(self, dst: np.ndarray, a: np.ndarray, b: np.ndarray, final: bool = False) -> None:
         """``dst = op(a, b)`` element-wise; with ``final``, apply avg's division too."""
         scale = final and self.op is ReduceOp.AVG and self.world > 1

@@ -111,10 +111,7 @@ def plan_reduce_scatter(ctx: Context, obj: Any, op: Any, compression: Any) -> Ca
         if mailbox is not None and comp is Compression.NONE and buffer.nbytes <= mailbox.slot_bytes:
             posts = oneshot.exchange(ctx, desc, True, buffer.array, buffer.nbytes)
             inputs = [data.view(out.dtype)[start : start + n] for _, _, data in posts]
-            last = len(inputs) - 1  # each rank's chunk reduced from the N inputs, in rank order
-            reducer.combine(out, inputs[0], inputs[1], final=last == 1)
-            for index in range(2, last + 1):
-                reducer.combine(out, out, inputs[index], final=index == last)
+            reducer.reduce(out, inputs)  # each rank's chunk from the N inputs, in rank order
         elif ctx.size == 1:
             out[:] = buffer.array
         else:

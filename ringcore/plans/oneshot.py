@@ -103,11 +103,7 @@ class OneShotRoute:
         if not taking:
             return False
         assert flat is not None
-        reducer = plan_reducer(plan)
-        last = len(inputs) - 1
-        reducer.combine(flat, inputs[0], inputs[1], final=last == 1)
-        for index in range(2, last + 1):
-            reducer.combine(flat, flat, inputs[index], final=index == last)
+        plan_reducer(plan).reduce(flat, inputs)
         self.calls += 1
         return True
 

@@ -736,18 +736,20 @@ class ShmTransport:
             if not posted(peer, slot, seq):
                 awaited.append(peer)
         if awaited:
-            start = time.perf_counter()
-            tight, deadline = min(self.tight_spin, self.spin), start + self.spin
+            now = time.perf_counter()
+            tight_until, deadline = now + min(self.tight_spin, self.spin), now + self.spin
             yielded = False
-            while awaited:
-                now = time.perf_counter()
-                if now > deadline and yielded:
-                    break
-                if now - start > tight:
+            while awaited:  # the last awaited peer first: its post is the one worth a poll
+                if now >= tight_until:
+                    if yielded and now > deadline:
+                        awaited = [peer for peer in awaited if not posted(peer, slot, seq)]
+                        break
                     os.sched_yield()
                     yielded = True
-                awaited = [peer for peer in awaited if not posted(peer, slot, seq)]
-            self.last_moved = time.perf_counter()
+                while awaited and posted(awaited[-1], slot, seq):
+                    awaited.pop()
+                now = time.perf_counter()
+            self.last_moved = now
         self.awaited = awaited
         return awaited
 
