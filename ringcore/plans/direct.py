@@ -329,7 +329,7 @@ class DirectRoute:
             found = self.ctx.symmetric.locate(flat)  # type: ignore[union-attr]
             assert found is not None
             return [direct.Mapped(view) for view in found[0].peers(found[1], plan.count, flat.dtype)]
-        addresses = (_address(flat), *(row[1] for row in rows))
+        addresses = tuple([row[1] for row in rows])  # this rank's own among them: what it offered, flat's
         if addresses != self._remote[0]:  # kept while every rank passes the same memory (a training loop)
             order = [(rank + step) % size for step in range(1, size)]
             scratch, pids, hosts = voting.scratch, voting.pids, voting.hosts
