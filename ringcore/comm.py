@@ -17,10 +17,14 @@ Ranks must issue collectives in the same order, as with MPI/NCCL. A blocking
 call whose turn it is takes no lock (two lock round trips were 1 us of a 4
 KiB allreduce's 12 at N=2): tickets come from an ``itertools.count`` (one
 atomic ``next`` under the GIL), and only the thread whose turn it is moves
-``_turn`` on. A thread that must wait counts itself in ``_waiters`` under the
-condition's lock *before* it reads ``_turn``, and the thread passing the turn
-reads ``_waiters`` *after* moving it: one of the two sees the other, so the
-waiter either finds its turn or is notified.
+``_turn`` on (besides ``_skip_abandoned``, under the lock, past tickets whose
+callers were interrupted, which nobody runs). A thread that must wait counts
+itself in ``_waiters`` under the condition's lock *before* it reads ``_turn``,
+and the thread passing the turn reads ``_waiters`` *after* moving it: one of
+the two sees the other, so the waiter either finds its turn or is notified.
+The argument takes the GIL's one order of bytecodes: a free-threaded build
+(3.13t), where ``next`` on a shared count is not atomic, would need the lock
+back (not supported; tested on CPython 3.11).
 
 Failure. A collective that fails (a peer died, timed out, or the ranks
 disagree) first tells every peer (an ABORT frame with the reason), so all
@@ -354,13 +358,18 @@ class Communicator:
         return self._run_turn(plan, obj, name, next(self._tickets))
 
     def _run_async(self, plan: Plan, obj: Any, name: str | None) -> Handle:
-        """Queue ``plan`` on ``obj`` for the async thread; the handle completes in its turn."""
-        ticket = self._take_ticket(plan.kind)
-        handle = Handle(f"{plan.kind} #{ticket + 1}")
-        self._jobs.put((plan, obj, name, ticket, handle))
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._work, name="ringcore-async", daemon=True)
-            self._worker.start()
+        """Queue ``plan`` on ``obj`` for the async thread; the handle completes in its turn.
+
+        Under the lock: the one worker runs jobs in queue order, so tickets must be queued in
+        the order they were taken (two threads calling at once), and none after shutdown's end.
+        """
+        with self._lock:
+            ticket = self._take_ticket(plan.kind)
+            handle = Handle(f"{plan.kind} #{ticket + 1}")
+            self._jobs.put((plan, obj, name, ticket, handle))
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="ringcore-async", daemon=True)
+                self._worker.start()
         return handle
 
     def _work(self) -> None:

@@ -58,28 +58,37 @@ def test_a_caller_interrupted_before_its_turn_breaks_the_communicator_instead_of
 
 
 def test_threads_racing_for_turns_run_every_ticket_once_in_order_and_none_waits_forever() -> None:
-    """Blocking calls from four threads, thread switches forced every microsecond: the turn is passed
-    without a lock, so a waiter that misses the pass would hang here (the test's timeout)."""
+    """Blocking and async calls from four threads, thread switches forced every 5 us: the turn is
+    passed without a lock, so a waiter that misses the pass would hang here (the test's timeout),
+    and two collectives running at once would show in ``inside``."""
     comm = Communicator(0, 1, 0, 1, Settings(), None)
     ran: list[int] = []
+    inside = [0, 0]  # running now, most ever at once
 
     def record(obj: Any, seq: int) -> None:
+        inside[0] += 1
+        inside[1] = max(inside)
         ran.append(seq)
+        inside[0] -= 1
 
-    def caller() -> None:
-        for _ in range(500):
-            comm._run(CallPlan("test", record), None, None)
+    def caller(index: int) -> None:
+        for call in range(500):
+            if index == 0 and call % 5 == 0:
+                comm._run_async(CallPlan("test", record), None, None)
+            else:
+                comm._run(CallPlan("test", record), None, None)
 
     switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
+    sys.setswitchinterval(5e-6)
     try:
-        threads = [threading.Thread(target=caller, daemon=True) for _ in range(4)]
+        threads = [threading.Thread(target=caller, args=(index,), daemon=True) for index in range(4)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(20)
+        assert not any(thread.is_alive() for thread in threads), "a caller waited forever for its turn"
     finally:
         sys.setswitchinterval(switch)
-    assert not any(thread.is_alive() for thread in threads), "a caller waited forever for its turn"
+        comm.shutdown()  # waits for the queued async calls
+    assert inside[1] == 1, "two collectives ran at once"
     assert ran == list(range(1, 2001))
-    comm.shutdown()
