@@ -26,6 +26,15 @@ The argument takes the GIL's one order of bytecodes: a free-threaded build
 (3.13t), where ``next`` on a shared count is not atomic, would need the lock
 back (not supported; tested on CPython 3.11).
 
+A lost turn. A KeyboardInterrupt can land between taking a ticket and the
+``try`` that passes its turn on (at the call into ``_run_turn``: Python checks
+for signals there), and then no thread owns the turn. A thread waiting for
+its own turn looks, every ``TURN_CHECK`` s, whether the collective whose turn
+it is has started (``progress``); one that has not started in
+``LOST_TURN_GRACE`` s (at most ``RINGCORE_TIMEOUT``) is abandoned as an
+interrupted one is, so the waiter gets ``CommunicatorClosed`` instead of
+waiting forever.
+
 Failure. A collective that fails (a peer died, timed out, or the ranks
 disagree) first tells every peer (an ABORT frame with the reason), so all
 ranks fail promptly with an error that names the culprit, then marks the
@@ -43,6 +52,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +72,9 @@ from ringcore.store import StoreClient, StoreServer
 from ringcore.symmetric import SymmetricMemory
 from ringcore.timeline import Timeline, rank_path
 from ringcore.transport.base import Transport
+
+TURN_CHECK = 1.0  # seconds between a waiting thread's looks at whether the turn's collective started
+LOST_TURN_GRACE = 10.0  # seconds a turn may go unstarted before it is taken for lost ("A lost turn")
 
 log = logging.getLogger("ringcore")
 
@@ -393,10 +406,11 @@ class Communicator:
         seq = ticket + 1  # collectives are numbered from 1 in messages
         if self._turn != ticket:
             self._await_turn(ticket)
-        timeline = self.timeline
-        start = Timeline.now_us() if timeline is not None else 0.0
-        self.progress.enter(seq, plan.kind, name)
-        try:
+        timeline, start = self.timeline, 0.0
+        try:  # from the first call after the turn is this thread's: a signal there passes it on too
+            self.progress.enter(seq, plan.kind, name)
+            if timeline is not None:
+                start = Timeline.now_us()
             self._check_usable(plan.kind, seq)
             return ignoring_fp_errors(plan.run, obj, seq)
         finally:
@@ -410,22 +424,37 @@ class Communicator:
                     self._skip_abandoned()
 
     def _await_turn(self, ticket: int) -> None:
-        """Wait until ``_turn`` is ``ticket``: counted in ``_waiters`` before reading it ("Ordering")."""
+        """Wait until ``_turn`` is ``ticket``: counted in ``_waiters`` before reading it ("Ordering"),
+        looking for a lost turn every ``TURN_CHECK`` s ("A lost turn")."""
         with self._cond:
             self._waiters += 1
             try:
+                watched, since = -1, 0.0  # the turn whose start is awaited, since when
                 while self._turn != ticket:
+                    if self._turn > ticket:  # taken for lost while this thread was slow to reach it
+                        raise CommunicatorClosed(
+                            f"collective #{ticket + 1}: its turn was taken for lost; call ringcore.shutdown() "
+                            "and ringcore.init() again"
+                        ) from self.ctx.broken
                     try:
-                        self._cond.wait()
+                        self._cond.wait(TURN_CHECK)
                     except BaseException as err:
                         # e.g. KeyboardInterrupt: later tickets must not wait for this one
                         self._abandon(ticket, err)
                         raise
+                    turn, now = self._turn, time.monotonic()
+                    if turn == ticket or self.progress.seq == turn + 1:
+                        watched = -1  # its collective runs: the wait is its, and bounded by its timeout
+                    elif watched != turn:
+                        watched, since = turn, now
+                    elif now - since > min(LOST_TURN_GRACE, self.settings.timeout):
+                        self._abandon(turn, None)
             finally:
                 self._waiters -= 1
 
-    def _abandon(self, ticket: int, err: BaseException) -> None:
-        """``ticket``'s caller gave up before its turn: skip it, and break the communicator.
+    def _abandon(self, ticket: int, err: BaseException | None) -> None:
+        """``ticket``'s caller gave up before its turn (``err``; None: its turn was lost, never
+        started): skip it, and break the communicator.
 
         This rank will never run that collective while its peers will, so the
         ranks no longer agree on the order; later calls raise at once instead
@@ -434,9 +463,14 @@ class Communicator:
         with self._lock:
             self._abandoned.add(ticket)
             if self.ctx.broken is None:
+                why = (
+                    f"was interrupted ({type(err).__name__}) before its turn"
+                    if err is not None
+                    else "never started in its turn (its caller was interrupted, e.g. by KeyboardInterrupt, "
+                    "as it took the turn)"
+                )
                 self.ctx.broken = CommunicatorClosed(
-                    f"collective #{ticket + 1} was interrupted ({type(err).__name__}) before its turn, "
-                    "so the ranks no longer agree on the order of collectives"
+                    f"collective #{ticket + 1} {why}, so the ranks no longer agree on the order of collectives"
                 )
             self._skip_abandoned()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -92,3 +93,18 @@ def test_threads_racing_for_turns_run_every_ticket_once_in_order_and_none_waits_
         comm.shutdown()  # waits for the queued async calls
     assert inside[1] == 1, "two collectives ran at once"
     assert ran == list(range(1, 2001))
+
+
+def test_a_turn_lost_to_an_interrupt_fails_the_next_call_instead_of_hanging_it() -> None:
+    """A KeyboardInterrupt between taking a ticket and entering its turn leaves the turn unowned
+    (here: a ticket taken and dropped); the next call waits ``RINGCORE_TIMEOUT`` (1 s here), not forever."""
+    comm = Communicator(0, 1, 0, 1, Settings(timeout=1.0), None)
+    comm.barrier()  # ticket 0 runs
+    next(comm._tickets)  # ticket 1: taken, never run, as when interrupted at the call into its turn
+    started = time.monotonic()
+    with pytest.raises(ringcore.CommunicatorClosed, match="#2 never started in its turn"):
+        comm.barrier()  # ticket 2
+    assert time.monotonic() - started < 10
+    with pytest.raises(ringcore.CommunicatorClosed):  # broken from now on, at once
+        comm.barrier()
+    comm.shutdown()
