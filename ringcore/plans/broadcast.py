@@ -25,7 +25,8 @@ def plan_broadcast(ctx: Context, obj: Any, root: int) -> CallPlan:
     (:func:`ringcore.plans.oneshot.exchange`): the root posts its buffer, every
     other rank posts that it takes part and copies the root's post; a rank
     whose buffer is on a GPU posts that it does not, and every rank runs the
-    chain. Otherwise each slice (``RINGCORE_SLICE_BYTES`` of scratch) is a
+    chain (with no post at all for this signature again, once every rank's was
+    on a GPU: :func:`ringcore.plans.oneshot.decline`). Otherwise each slice (``RINGCORE_SLICE_BYTES`` of scratch) is a
     complete chain broadcast; non-root ranks receive into scratch and copy
     into their buffer once the slice is complete, so a failure leaves later
     slices untouched.
@@ -38,15 +39,19 @@ def plan_broadcast(ctx: Context, obj: Any, root: int) -> CallPlan:
             return obj
         desc = Descriptor("broadcast", seq, buffer.dtype.name, buffer.shape, None, root)
         mailbox = oneshot.mailbox_of(ctx)
-        if mailbox is not None and buffer.nbytes <= mailbox.slot_bytes:
+        signature = desc.signature()
+        if mailbox is not None and buffer.nbytes <= mailbox.slot_bytes and signature not in ctx.declined:
             host, mine = buffer.device == "cpu", ctx.rank == root
             posts = oneshot.exchange(
                 ctx, desc, host, buffer.array if host and mine else None, buffer.nbytes if mine else 0
             )
-            if all(way == oneshot.POSTED for way, _, _ in posts):
+            ways = {way for way, _, _ in posts}
+            if ways == {oneshot.POSTED}:
                 if not mine:
                     buffer.array.reshape(-1).view(np.uint8)[...] = posts[root][2]
                 return obj
+            if ways == {oneshot.ABSENT}:  # every buffer on a GPU
+                oneshot.decline(ctx, signature)
         if buffer.device == "cuda":
             from ringcore.plans import device
 

@@ -31,7 +31,9 @@ lies, so it is decided per call, in :meth:`DirectRoute.run` and nowhere else:
   plan's own form, and ranks with host and GPU buffers still meet in one ring.
   The vote is the route's first synchronisation ("every input is in place"),
   so it costs about the barrier it replaces; where it sends everyone to the
-  ring (a job whose ranks all pass GPU buffers) it is one small allreduce more. Below 1 MiB the ring was faster
+  ring (a job whose ranks all pass GPU buffers) it is one small allreduce more,
+  once per signature: after a vote where every rank offered nothing, that
+  signature skips the vote (:func:`ringcore.plans.oneshot.decline`). Below 1 MiB the ring was faster
   on ordinary buffers (the vote, a barrier and a system call per piece and
   peer against the ring's few steps through cached slots: ``bench/HISTORY.md``,
   "Ordinary buffers go direct").
@@ -230,6 +232,8 @@ class DirectRoute:
             # made in the turn, as everything that touches the transport
             voting = ctx.direct_voting = Voting(ctx, transport)
         if voting is not None and plan.nbytes >= ctx.settings.direct_bytes:
+            if plan.signature in ctx.declined:  # every rank offered nothing before (GPU memory)
+                return False
             desc = Descriptor("allreduce", seq, *plan.fields)
             try:
                 flat = host_array(plan, obj)
@@ -240,6 +244,8 @@ class DirectRoute:
             def vote() -> tuple[int, Callable[[], list[direct.Peer]]]:
                 rows = voting.vote(row, seq, plan.signature)
                 way = _agreed(rows)
+                if way == NONE and all(row[0] == NONE for row in rows):
+                    oneshot.decline(ctx, plan.signature)  # the ring from now on, with no vote first
                 return way, lambda: self._peers(flat, rows, way, voting)  # type: ignore[arg-type]
 
             return self._run(flat, desc, plan.signature, DONE_PART, vote, voting)

@@ -164,3 +164,23 @@ def fake_until_failure(
             except Exception as err:
                 return type(err).__name__, untouched_except_noted(buf.data, original, err), exposed_range(err)
     return "none", True, None
+
+
+def repeated_posts(comm: Any, inputs: dict[str, list[np.ndarray]], rounds: int, gpu_ranks: list[int]) -> dict:
+    """``rounds`` rounds of a small allreduce, a broadcast from rank 0 and a large allreduce, each
+    buffer a fake GPU one on ``gpu_ranks`` and a host one elsewhere: every call's result, and how
+    many posts this rank made in its mailbox for it."""
+    mailbox = comm.ctx.transport.mailbox
+    posts, results = [], []
+    for _ in range(rounds):
+        for kind in ("small", "broadcast", "large"):
+            x = inputs[kind][comm.rank].copy()
+            buf = FakeCudaArray(x) if comm.rank in gpu_ranks else x
+            before = mailbox.posts
+            if kind == "broadcast":
+                comm.broadcast(buf, root=0)
+            else:
+                comm.allreduce(buf)
+            posts.append(mailbox.posts - before)
+            results.append(x)
+    return {"posts": posts, "results": results}

@@ -90,6 +90,38 @@ def test_a_gpu_buffer_among_host_ones_sends_every_rank_to_the_ring() -> None:
     assert [report["posted"] for report in host] == [1, 1, 1], "all-host ranks went one-shot"
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("gpu_ranks", [[0, 1, 2], [1]], ids=["all-gpu", "mixed"])
+def test_a_job_of_gpu_buffers_posts_once_per_signature_then_goes_straight_to_the_ring(
+    gpu_ranks: list[int],
+) -> None:
+    """Every rank's buffer on a (fake) GPU: the first small allreduce, broadcast and large allreduce
+    (the direct route's vote) of a layout post that the rank does not take part, and later ones go
+    straight to the ring with no post. With one GPU rank among host ones every call posts."""
+    rng = np.random.default_rng(5)
+    inputs = {
+        "small": list(rng.integers(-50, 50, (3, 3000)).astype(np.float32)),  # 12 KB: one shot
+        "broadcast": list(rng.integers(-50, 50, (3, 4000)).astype(np.float64)),  # 32 KB: one shot
+        "large": list(rng.integers(-50, 50, (3, 300_000)).astype(np.float32)),  # 1.2 MB: the vote
+    }
+    rounds = 3
+    with Cluster(3, timeout=120) as cluster:
+        cluster.results(gpu_tasks.use_fake, 4)
+        reports = cluster.results(gpu_tasks.repeated_posts, inputs, rounds, gpu_ranks)
+    every_call = [1, 1, 1] * rounds
+    want_posts = [1, 1, 1] + [0, 0, 0] * (rounds - 1) if len(gpu_ranks) == 3 else every_call
+    for rank, report in enumerate(reports):
+        assert report["posts"] == want_posts, (rank, report["posts"])
+        for call, result in enumerate(report["results"]):
+            kind = ("small", "broadcast", "large")[call % 3]
+            where = f"rank {rank} call {call} ({kind})"
+            if kind == "broadcast":
+                np.testing.assert_array_equal(result, inputs[kind][0], err_msg=where)
+            else:
+                check_allreduce(result, inputs[kind], "sum", where=where)
+            assert result.tobytes() == reports[0]["results"][call].tobytes(), where
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("large", [100_000, 600_000], ids=["ring", "vote"])
 def test_a_rank_on_another_route_is_a_mismatch_on_every_rank(large: int) -> None:
