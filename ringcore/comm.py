@@ -30,10 +30,11 @@ A lost turn. A KeyboardInterrupt can land between taking a ticket and the
 ``try`` that passes its turn on (at the call into ``_run_turn``: Python checks
 for signals there), and then no thread owns the turn. A thread waiting for
 its own turn looks, every ``TURN_CHECK`` s, whether the collective whose turn
-it is has started (``progress``); one that has not started in
+it is has started (``progress``); a blocking call's that has not started in
 ``LOST_TURN_GRACE`` s (at most ``RINGCORE_TIMEOUT``) is abandoned as an
 interrupted one is, so the waiter gets ``CommunicatorClosed`` instead of
-waiting forever.
+waiting forever. An async call's ticket is never lost (no signal reaches the
+worker thread), though it may wait in the queue while a done-callback runs.
 
 Failure. A collective that fails (a peer died, timed out, or the ranks
 disagree) first tells every peer (an ABORT frame with the reason), so all
@@ -174,6 +175,7 @@ class Communicator:
         self._cond = threading.Condition(self._lock)  # `with self._lock`: Condition's __enter__ is Python
         self._waiters = 0  # threads waiting in _await_turn for their ticket
         self._abandoned: set[int] = set()  # tickets whose caller was interrupted before its turn
+        self._queued: set[int] = set()  # async tickets not yet taken up by the worker (never lost)
         self._tickets = itertools.count()  # next(): the next ticket, atomically ("Ordering")
         self._turn = 0  # the ticket whose collective runs now, or runs next
         self._closed = False
@@ -379,6 +381,7 @@ class Communicator:
         with self._lock:
             ticket = self._take_ticket(plan.kind)
             handle = Handle(f"{plan.kind} #{ticket + 1}")
+            self._queued.add(ticket)
             self._jobs.put((plan, obj, name, ticket, handle))
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="ringcore-async", daemon=True)
@@ -388,6 +391,7 @@ class Communicator:
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             plan, obj, name, ticket, handle = job
+            self._queued.discard(ticket)
             try:
                 handle._finish(result=self._run_turn(plan, obj, name, ticket))
             except BaseException as err:  # handed to the caller through the handle
@@ -443,8 +447,8 @@ class Communicator:
                         self._abandon(ticket, err)
                         raise
                     turn, now = self._turn, time.monotonic()
-                    if turn == ticket or self.progress.seq == turn + 1:
-                        watched = -1  # its collective runs: the wait is its, and bounded by its timeout
+                    if turn == ticket or self.progress.seq == turn + 1 or turn in self._queued:
+                        watched = -1  # its collective runs, or waits in the queue behind a done-callback
                     elif watched != turn:
                         watched, since = turn, now
                     elif now - since > min(LOST_TURN_GRACE, self.settings.timeout):

@@ -108,3 +108,26 @@ def test_a_turn_lost_to_an_interrupt_fails_the_next_call_instead_of_hanging_it()
     with pytest.raises(ringcore.CommunicatorClosed):  # broken from now on, at once
         comm.barrier()
     comm.shutdown()
+
+
+def test_an_async_call_waiting_behind_a_slow_done_callback_is_not_taken_for_lost() -> None:
+    """The worker runs done-callbacks between jobs: the next async call's turn goes unstarted for as
+    long as one runs (here 2.5 s, past the 1 s grace), and a blocking call behind it must just wait."""
+    comm = Communicator(0, 1, 0, 1, Settings(timeout=1.0), None)
+    ran: list[int] = []
+    release = threading.Event()
+
+    def held(obj: Any, seq: int) -> None:
+        release.wait(10)
+        ran.append(seq)
+
+    first = comm._run_async(CallPlan("test", held), None, None)  # ticket 0
+    first.add_done_callback(
+        lambda handle: time.sleep(2.5)
+    )  # added while the job is held: the worker calls it
+    second = comm._run_async(CallPlan("test", lambda obj, seq: ran.append(seq)), None, None)  # ticket 1
+    release.set()
+    comm._run(CallPlan("test", lambda obj, seq: ran.append(seq)), None, None)  # ticket 2: no error
+    second.wait()
+    assert ran == [1, 2, 3]
+    comm.shutdown()
