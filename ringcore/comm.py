@@ -34,7 +34,11 @@ it is has started (``progress``); a blocking call's that has not started in
 ``LOST_TURN_GRACE`` s (at most ``RINGCORE_TIMEOUT``) is abandoned as an
 interrupted one is, so the waiter gets ``CommunicatorClosed`` instead of
 waiting forever. An async call's ticket is never lost (no signal reaches the
-worker thread), though it may wait in the queue while a done-callback runs.
+worker thread, and a ticket that could not be queued is abandoned at once),
+though it may wait in the queue while a done-callback runs. An interrupt
+inside the turn, before the plan's own failure handling, breaks the
+communicator and tells the peers (``ctx.fail``), as one inside the plan does;
+the turn is passed in an inner ``finally``, whatever the timeline's file does.
 
 Failure. A collective that fails (a peer died, timed out, or the ranks
 disagree) first tells every peer (an ABORT frame with the reason), so all
@@ -62,6 +66,7 @@ import numpy as np
 from ringcore.algo.hierarchical import Grid
 from ringcore.config import Settings
 from ringcore.context import Context
+from ringcore.descriptor import Descriptor
 from ringcore.errors import CollectiveTimeout, CommunicatorClosed
 from ringcore.kernels.numpy_ops import ignoring_fp_errors
 from ringcore.plans import allreduce, broadcast, gather
@@ -136,7 +141,7 @@ class Handle:
     def _call(self, fn: Callable[[Handle], None]) -> None:
         try:
             fn(self)
-        except Exception:
+        except BaseException:  # even SystemExit: the async worker that calls it must live on
             log.exception("%s: a done-callback raised", self.kind)
 
 
@@ -382,7 +387,12 @@ class Communicator:
             ticket = self._take_ticket(plan.kind)
             handle = Handle(f"{plan.kind} #{ticket + 1}")
             self._queued.add(ticket)
-            self._jobs.put((plan, obj, name, ticket, handle))
+            try:
+                self._jobs.put((plan, obj, name, ticket, handle))
+            except BaseException as err:  # e.g. KeyboardInterrupt: the ticket will never run
+                self._queued.discard(ticket)
+                self._abandon(ticket, err)
+                raise
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="ringcore-async", daemon=True)
                 self._worker.start()
@@ -417,15 +427,22 @@ class Communicator:
                 start = Timeline.now_us()
             self._check_usable(plan.kind, seq)
             return ignoring_fp_errors(plan.run, obj, seq)
+        except BaseException as err:
+            if self.ctx.broken is None and not isinstance(err, Exception):
+                # e.g. KeyboardInterrupt before the plan's own handling began: peers must not wait
+                self.ctx.fail(Descriptor(plan.kind, seq, "", ()), err)
+            raise
         finally:
-            self.progress.leave()
-            if timeline is not None:
-                args = {"seq": seq, "name": name, "bytes": plan.nbytes, **plan.details}
-                timeline.complete(f"{plan.kind} #{seq}", "collective", start, Timeline.now_us(), args)
-            self._turn += 1  # pass the turn: only this thread may now ("Ordering" in the module docstring)
-            if self._abandoned or self._waiters:
-                with self._lock:
-                    self._skip_abandoned()
+            try:
+                self.progress.leave()
+                if timeline is not None:
+                    args = {"seq": seq, "name": name, "bytes": plan.nbytes, **plan.details}
+                    timeline.complete(f"{plan.kind} #{seq}", "collective", start, Timeline.now_us(), args)
+            finally:  # the turn passes whatever the timeline's file does
+                self._turn += 1  # only this thread may move it now ("Ordering" in the module docstring)
+                if self._abandoned or self._waiters:
+                    with self._lock:
+                        self._skip_abandoned()
 
     def _await_turn(self, ticket: int) -> None:
         """Wait until ``_turn`` is ``ticket``: counted in ``_waiters`` before reading it ("Ordering"),

@@ -232,7 +232,7 @@ class DirectRoute:
             # made in the turn, as everything that touches the transport
             voting = ctx.direct_voting = Voting(ctx, transport)
         if voting is not None and plan.nbytes >= ctx.settings.direct_bytes:
-            if plan.signature in ctx.declined:  # every rank offered nothing before (GPU memory)
+            if plan.signature in ctx.declined:  # every rank offered nothing before (GPU or pinned memory)
                 return False
             desc = Descriptor("allreduce", seq, *plan.fields)
             try:

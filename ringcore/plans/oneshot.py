@@ -39,8 +39,10 @@ nothing. Once every rank posted that it does not take part in a collective
 of some signature (kind, dtype, shape, op...), :func:`decline` keeps the
 signature in ``ctx.declined`` and later ones go straight to their plan's
 form: the one-shot allreduce, the one-shot broadcast and the direct route's
-vote. Every rank saw the same posts, so the ranks' choices stay alike; a
-later call of that signature with host memory takes the rings too.
+vote (where every rank offered nothing: GPU memory, or host memory the
+kernel cannot copy, as CUDA's pinned memory). Every rank saw the same posts,
+so the ranks' choices stay alike; a later call of that signature with
+ordinary host memory takes the rings too.
 
 Measured (``bench/HISTORY.md``, "Small allreduces in one shot"): the
 hand-written floors, 4 KiB back to back, are 4.5 us at N=2 and 24.8 at N=4

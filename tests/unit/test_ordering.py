@@ -131,3 +131,41 @@ def test_an_async_call_waiting_behind_a_slow_done_callback_is_not_taken_for_lost
     second.wait()
     assert ran == [1, 2, 3]
     comm.shutdown()
+
+
+def test_an_interrupt_inside_the_turn_breaks_the_communicator_and_passes_the_turn() -> None:
+    """A KeyboardInterrupt after the turn began but before the plan ran: the communicator is broken
+    (this rank skipped a collective its peers run) and the next call says so at once."""
+    comm = Communicator(0, 1, 0, 1, Settings(), None)
+    real = comm._check_usable
+
+    def interrupted(kind: str, seq: int) -> None:
+        raise KeyboardInterrupt
+
+    comm._check_usable = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        comm.barrier()
+    comm._check_usable = real  # type: ignore[method-assign]
+    assert isinstance(comm.ctx.broken, KeyboardInterrupt)
+    with pytest.raises(ringcore.CommunicatorClosed, match="after an earlier failure"):
+        comm.barrier()
+    comm.shutdown()
+
+
+def test_a_failing_timeline_still_passes_the_turn() -> None:
+    """The timeline's write fails after the collective ran: the error reaches the caller, the next
+    collective runs (the turn was passed in an inner ``finally``)."""
+    comm = Communicator(0, 1, 0, 1, Settings(), None)
+
+    class Failing:
+        def complete(self, *args: Any) -> None:
+            raise OSError("disk full")
+
+    comm.timeline = Failing()  # type: ignore[assignment]
+    with pytest.raises(OSError, match="disk full"):
+        comm.barrier()
+    comm.timeline = None
+    ran: list[int] = []
+    comm._run(CallPlan("test", lambda obj, seq: ran.append(seq)), None, None)
+    assert ran == [2]
+    comm.shutdown()
