@@ -82,9 +82,8 @@ class Context:
         self.symmetric: SymmetricMemory | None = None  # set by the Communicator (ringcore.symmetric)
         self.direct_voting: Any = None  # the direct allreduce's means, made in its first call (plans.direct)
         self.barrier_steps: Any = None  # the barrier's steps, bound once (plans.barrier.bound_barrier)
-        self.declined: set[int] = (
-            set()
-        )  # signatures every rank ran without its mailbox (plans.oneshot.decline)
+        # signatures every rank ran without its mailbox (plans.oneshot.decline)
+        self.declined: set[int] = set()
 
     @property
     def allreduce_slice_bytes(self) -> int:

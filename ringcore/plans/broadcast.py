@@ -26,10 +26,10 @@ def plan_broadcast(ctx: Context, obj: Any, root: int) -> CallPlan:
     other rank posts that it takes part and copies the root's post; a rank
     whose buffer is on a GPU posts that it does not, and every rank runs the
     chain (with no post at all for this signature again, once every rank's was
-    on a GPU: :func:`ringcore.plans.oneshot.decline`). Otherwise each slice (``RINGCORE_SLICE_BYTES`` of scratch) is a
-    complete chain broadcast; non-root ranks receive into scratch and copy
-    into their buffer once the slice is complete, so a failure leaves later
-    slices untouched.
+    on a GPU: :func:`ringcore.plans.oneshot.decline`). Otherwise each slice
+    (``RINGCORE_SLICE_BYTES`` of scratch) is a complete chain broadcast;
+    non-root ranks receive into scratch and copy into their buffer once the
+    slice is complete, so a failure leaves later slices untouched.
     """
     root = check_root(root, ctx.size, "broadcast")
     buffer = as_buffer(obj, writable=ctx.rank != root, what="broadcast buffer")

@@ -33,10 +33,10 @@ lies, so it is decided per call, in :meth:`DirectRoute.run` and nowhere else:
   so it costs about the barrier it replaces; where it sends everyone to the
   ring (a job whose ranks all pass GPU buffers) it is one small allreduce more,
   once per signature: after a vote where every rank offered nothing, that
-  signature skips the vote (:func:`ringcore.plans.oneshot.decline`). Below 1 MiB the ring was faster
-  on ordinary buffers (the vote, a barrier and a system call per piece and
-  peer against the ring's few steps through cached slots: ``bench/HISTORY.md``,
-  "Ordinary buffers go direct").
+  signature skips the vote (:func:`ringcore.plans.oneshot.decline`). Below 1
+  MiB the ring was faster on ordinary buffers (the vote, a barrier and a
+  system call per piece and peer against the ring's few steps through cached
+  slots: ``bench/HISTORY.md``, "Ordinary buffers go direct").
 - Below it, or where ranks may not copy (``RINGCORE_TRANSPORT=tcp``, Yama's
   ``ptrace_scope``), only symmetric memory goes direct, found by ``locate``,
   and the descriptor names the allocation, so a rank that passed other memory
