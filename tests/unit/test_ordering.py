@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import sys
 import threading
 import time
@@ -168,4 +169,51 @@ def test_a_failing_timeline_still_passes_the_turn() -> None:
     ran: list[int] = []
     comm._run(CallPlan("test", lambda obj, seq: ran.append(seq)), None, None)
     assert ran == [2]
+    comm.shutdown()
+
+
+def test_a_caller_whose_turn_was_taken_for_lost_gets_an_error_not_a_wait() -> None:
+    """The lost-turn watch moved the turn past this ticket while its caller was slow to reach it:
+    the caller must fail at once, not wait for a turn that never comes back."""
+    comm = Communicator(0, 1, 0, 1, Settings(), None)
+    ticket = next(comm._tickets)
+    comm._abandon(ticket, None)  # what the watch does to a turn nobody started
+    ran: list[int] = []
+    with pytest.raises(ringcore.CommunicatorClosed, match="#1: its turn was taken for lost"):
+        comm._run_turn(CallPlan("test", lambda obj, seq: ran.append(seq)), None, None, ticket)
+    assert ran == []
+    comm.shutdown()
+
+
+def test_an_async_call_that_could_not_be_queued_breaks_the_communicator_instead_of_stalling_it() -> None:
+    """A KeyboardInterrupt inside the queue's put: that ticket will never run, so later calls must
+    fail at once rather than wait for it."""
+    comm = Communicator(0, 1, 0, 1, Settings(), None)
+
+    def interrupted(job: Any) -> None:
+        raise KeyboardInterrupt
+
+    comm._jobs.put = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        comm._run_async(CallPlan("test", lambda obj, seq: None), None, None)
+    assert comm._queued == set()
+    with pytest.raises(ringcore.CommunicatorClosed, match="#1 was interrupted"):
+        comm._run(CallPlan("test", lambda obj, seq: None), None, None)
+    comm._jobs = queue.Queue()
+    comm.shutdown()
+
+
+def test_a_done_callback_raising_system_exit_leaves_the_async_worker_running() -> None:
+    comm = Communicator(0, 1, 0, 1, Settings(), None)
+    release = threading.Event()
+    first = comm._run_async(CallPlan("test", lambda obj, seq: release.wait(10)), None, None)
+
+    def leave(handle: Any) -> None:
+        raise SystemExit
+
+    first.add_done_callback(leave)  # added while the job is held: the worker calls it
+    release.set()
+    first.wait(10)
+    second = comm._run_async(CallPlan("test", lambda obj, seq: seq), None, None)
+    assert second.wait(10) == 2
     comm.shutdown()
