@@ -2,7 +2,7 @@
 
 Route. Every collective takes one route: the Communicator validates its
 arguments by making its plan (:mod:`ringcore.plans`), takes a ticket in
-program order, and in its turn calls ``plan.run(obj, seq)`` (``_run_turn``),
+program order, and in its turn calls ``plan.run(obj, seq)`` (``_run``),
 in the caller's thread for a blocking call (no hand-off, lowest latency) or on
 one background thread for ``*_async`` calls (so ``allreduce_async`` overlaps
 with the caller's compute). An allreduce of a numpy array looks its layout
@@ -27,8 +27,8 @@ The argument takes the GIL's one order of bytecodes: a free-threaded build
 back (not supported; tested on CPython 3.11).
 
 A lost turn. A KeyboardInterrupt can land between taking a ticket and the
-``try`` that passes its turn on (at the call into ``_run_turn``: Python checks
-for signals there), and then no thread owns the turn. A thread waiting for
+``try`` that passes its turn on (in ``_run``: Python checks for signals
+between bytecodes), and then no thread owns the turn. A thread waiting for
 its own turn looks, every ``TURN_CHECK`` s, whether the collective whose turn
 it is has started (``progress``); a blocking call's that has not started in
 ``LOST_TURN_GRACE`` s (at most ``RINGCORE_TIMEOUT``) is abandoned as an
@@ -368,15 +368,6 @@ class Communicator:
     def _closed_error(self, kind: str) -> CommunicatorClosed:
         return CommunicatorClosed(f"{kind}: the communicator was shut down; call ringcore.init() again")
 
-    def _run(self, plan: Plan, obj: Any, name: str | None) -> Any:
-        """Run ``plan`` on ``obj`` as a blocking collective: in this thread, in its turn.
-
-        :meth:`_take_ticket` written out: a 4 KiB allreduce waits for every call here.
-        """
-        if self._closed:
-            raise self._closed_error(plan.kind)
-        return self._run_turn(plan, obj, name, next(self._tickets))
-
     def _run_async(self, plan: Plan, obj: Any, name: str | None) -> Handle:
         """Queue ``plan`` on ``obj`` for the async thread; the handle completes in its turn.
 
@@ -403,20 +394,26 @@ class Communicator:
             plan, obj, name, ticket, handle = job
             self._queued.discard(ticket)
             try:
-                handle._finish(result=self._run_turn(plan, obj, name, ticket))
+                handle._finish(result=self._run(plan, obj, name, ticket))
             except BaseException as err:  # handed to the caller through the handle
                 handle._finish(error=err)
 
-    def _run_turn(self, plan: Plan, obj: Any, name: str | None, ticket: int) -> Any:
-        """Wait for ``ticket``'s turn, run ``plan.run(obj, seq)``, pass the turn on.
+    def _run(self, plan: Plan, obj: Any, name: str | None, ticket: int | None = None) -> Any:
+        """Run ``plan`` on ``obj`` in ``ticket``'s turn: wait for it, run ``plan.run(obj, seq)``, pass the turn on.
 
-        The one place every collective runs: the checks before it (a broken
+        A blocking call (``ticket`` None) takes its ticket here and runs in the caller's
+        thread; the async worker passes the ticket the call took. The one place every
+        collective runs: the checks before it (a broken
         communicator, a stall inspector's verdict), the progress record the
         stall inspector reads, the timeline's event, and numpy's floating-point
         errors ignored (overflow, NaN, wrap-around are results, not warnings).
         Every call here is time each rank's 4 KiB allreduce waits for, so the
         turn is passed inline.
         """
+        if ticket is None:  # _take_ticket written out: a 4 KiB allreduce waits for every call here
+            if self._closed:
+                raise self._closed_error(plan.kind)
+            ticket = next(self._tickets)
         seq = ticket + 1  # collectives are numbered from 1 in messages
         if self._turn != ticket:
             self._await_turn(ticket)

@@ -77,7 +77,7 @@ def arm_fault(signum: int, stamp: Path) -> None:
     transport = ringcore.communicator().transport
     posted = [0]
     isend, swap = transport.isend, getattr(transport, "swap", None)
-    post = getattr(transport, "post", None) if getattr(transport, "mailbox", None) else None
+    post = getattr(transport, "meet_posts", None) if getattr(transport, "mailbox", None) else None
 
     def count() -> None:
         posted[0] += 1
@@ -102,7 +102,7 @@ def arm_fault(signum: int, stamp: Path) -> None:
     if swap is not None:
         transport.swap = counted_swap
     if post is not None:
-        transport.post = counted_post
+        transport.meet_posts = counted_post
 
 
 def die_joining(spec: str | None) -> None:

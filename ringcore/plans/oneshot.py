@@ -6,11 +6,12 @@ through the scheduler. Recursive doubling over the pair rings waits
 ``log2 N`` times, each on one partner. Here each rank waits once:
 
 1. it copies its input into its mailbox's next slot and posts it
-   (``ShmTransport.post``: the signature, whether it took part, then ``seq``;
-   the mailboxes: :mod:`ringcore.transport.shm_mailbox`);
-2. it waits until every peer has posted ``seq`` (``await_posts``, then the
-   executors' wait loop, :class:`ringcore.algo.waiting.Watch`: the timeout,
-   the stall check, a dead or departed peer named);
+   (the signature, whether it took part, then ``seq``; the mailboxes:
+   :mod:`ringcore.transport.shm_mailbox`);
+2. it waits until every peer has posted ``seq`` (both in one call,
+   ``ShmTransport.meet_posts``, which polls for a while; then the executors'
+   wait loop, :class:`ringcore.algo.waiting.Watch`: the timeout, the stall
+   check, a dead or departed peer named);
 3. it checks every peer's signature (``MismatchError`` naming who differs,
    before the caller's buffer is touched) and reduces the ``N`` posted
    inputs, in rank order, into the caller's buffer.
@@ -71,7 +72,6 @@ import numpy as np
 from ringcore.algo.waiting import Watch
 from ringcore.descriptor import Descriptor
 from ringcore.plans.base import host_array, plan_reducer
-from ringcore.transport import wire
 from ringcore.transport.base import FrameMismatch
 
 if TYPE_CHECKING:
@@ -93,6 +93,8 @@ class OneShotRoute:
         self.plan, self.ctx, self.transport = plan, plan.ctx, transport
         self.calls = 0
         self.storage = np.dtype(plan.dtype.storage)
+        self._inputs: list[list[np.ndarray] | None] = [None, None]  # each slot's views of every rank's input
+        self._reduce: Any = None  # the plan's reducer's reduce, once made
 
     def run(self, obj: Any, seq: int) -> bool:
         ctx, plan, transport = self.ctx, self.plan, self.transport
@@ -104,13 +106,15 @@ class OneShotRoute:
         try:
             flat = host_array(plan, obj)
             slot = mailbox.slot
-            inputs = mailbox.inputs(slot, plan.nbytes, self.storage)
+            inputs = self._inputs[slot]
+            if inputs is None:
+                inputs = self._inputs[slot] = mailbox.inputs(slot, plan.nbytes, self.storage)
             if flat is not None:
                 inputs[ctx.rank][...] = flat
             meet(ctx, transport, seq, signature, ABSENT if flat is None else POSTED, plan.nbytes)
             posted = 0  # a loop, not sum(generator): a 4 KiB allreduce is 12 us
-            for peer in mailbox.peers:
-                if mailbox.header(peer, slot)[2] == POSTED:
+            for head in mailbox.peer_heads[slot]:
+                if head[2] == POSTED:
                     posted += 1
         except BaseException as err:
             ctx.fail(Descriptor("allreduce", seq, *plan.fields), err)
@@ -119,7 +123,10 @@ class OneShotRoute:
                 decline(ctx, signature)
             return False
         assert flat is not None
-        plan_reducer(plan).reduce(flat, inputs)
+        reduce = self._reduce
+        if reduce is None:
+            reduce = self._reduce = plan_reducer(plan).reduce
+        reduce(flat, inputs)
         self.calls += 1
         return True
 
@@ -133,11 +140,8 @@ def meet(ctx: Context, transport: ShmTransport, seq: int, signature: int, way: i
     into every rank's error: ``FrameMismatch`` (a peer posted another
     collective, or sent frames of this one), ``CollectiveTimeout``, ``PeerFailure``.
     """
-    mailbox = transport.mailbox
-    assert mailbox is not None
-    slot = transport.post(seq, signature, way, nbytes)
-    transport.expect(wire.tag_seq(seq, 0), signature, nbytes)  # after the post: it looks for strays
-    if transport.await_posts(slot, seq):
+    slot = transport.meet_posts(seq, signature, way, nbytes)
+    if transport.awaited:
         stall = ctx.stall
         watch = Watch(
             transport,
@@ -147,10 +151,14 @@ def meet(ctx: Context, transport: ShmTransport, seq: int, signature: int, way: i
         )
         while transport.awaited:
             watch.progress(0.5)
-    for peer in mailbox.peers:
-        theirs = mailbox.header(peer, slot)[1]
-        if theirs != signature:
-            raise FrameMismatch(peer, "signature", signature, theirs)
+    mailbox = transport.mailbox
+    assert mailbox is not None
+    for head in mailbox.peer_heads[slot]:
+        if head[1] != signature:
+            for peer in mailbox.peers:  # who differs: only on the way to the error
+                theirs = mailbox.header(peer, slot)[1]
+                if theirs != signature:
+                    raise FrameMismatch(peer, "signature", signature, theirs)
     return slot
 
 

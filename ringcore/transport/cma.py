@@ -120,6 +120,10 @@ class Word:
             return None
         return self.value.value
 
+    def alive(self) -> bool:
+        """Whether the word's process is still there to read."""
+        return self.read() is not None
+
 
 class Probe:
     """A few random bytes this process keeps, so peers can check they may read its memory.

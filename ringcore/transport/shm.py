@@ -110,11 +110,12 @@ once the grace has passed.
 Mailboxes. Where every rank of the job is on this host, each also has a
 mailbox that it writes and every peer reads (:mod:`ringcore.transport.shm_mailbox`),
 for the one-shot allreduce of small inputs (:mod:`ringcore.plans.oneshot`):
-``post`` publishes this rank's input and rings the doorbells of peers asleep
-on it; ``await_posts`` names the peers whose post this rank waits for, and
-``progress`` waits for them as for posted frames (same spin, yield and
-block, their news on TCP heard at once, their BYE a failure), so the route
-waits through the executors' one wait loop (:class:`ringcore.algo.waiting.Watch`).
+``meet_posts`` publishes this rank's input, rings the doorbells of peers asleep
+on it, starts the collective and polls for the peers' posts; ``awaited`` names
+those it still waits for, and ``progress`` waits for them as for posted frames
+(same spin, yield and block, their news on TCP heard at once, their BYE a
+failure), so the route waits through the executors' one wait loop
+(:class:`ringcore.algo.waiting.Watch`).
 
 Set-up: :mod:`ringcore.transport.shm_setup` finds the local peers, makes and
 maps the segments and doorbells, and builds this transport.
@@ -509,11 +510,16 @@ class ShmTransport:
         now = time.perf_counter()
         self.last_moved = now
         if self.unheard or now > self.next_liveness:
-            self.next_liveness = now + LIVENESS_EVERY
-            if self.watched:
-                for fd, _ in self.liveness.poll(0):
-                    self._hear(fd)  # news from between collectives (or deferred by the last one) counts now
-            self._check_idle()
+            self._look_around(now)
+
+    def _look_around(self, now: float) -> None:
+        """The look at the local peers' TCP news and at frames waiting unasked (``expect``), at most
+        every ``LIVENESS_EVERY`` s."""
+        self.next_liveness = now + LIVENESS_EVERY
+        if self.watched:
+            for fd, _ in self.liveness.poll(0):
+                self._hear(fd)  # news from between collectives (or deferred by the last one) counts now
+        self._check_idle()
 
     def route(self, peer: int, segment: int) -> int:
         channel = segment % self.channels
@@ -710,48 +716,57 @@ class ShmTransport:
 
     # -- the mailboxes ("Mailboxes", module docstring) ------------------------------------------
 
-    def post(self, seq: int, signature: int, way: int, nbytes: int) -> int:
-        """Publish this rank's input of ``seq``, written in its mailbox's next slot; wake sleeping peers."""
+    def meet_posts(self, seq: int, signature: int, way: int, nbytes: int) -> int:
+        """Post this rank's part of collective ``seq`` (its ``nbytes`` already in its mailbox's next
+        slot), start the collective and poll for every peer's post; the slot.
+
+        The mailboxes' latency path, one call where it was three (post, ``expect``,
+        ``await_posts``): at N=4 on 2 cores a 4 KiB allreduce is the Python of its
+        ranks, two to a core, so every call and attribute counts twice
+        (``bench/HISTORY.md``, "The one-shot path flattened"). In order:
+
+        - the post (``Mailbox.post``), a fence, and the doorbells of peers asleep on it;
+        - what ``expect`` does at a collective's start, the look at TCP when it is due;
+        - the posts polled for up to ``spin`` s (without a syscall for ``TIGHT_SPIN`` s,
+          then with ``sched_yield``, at least once). The peers still to post are
+          ``awaited``; ``progress`` waits for them (the caller's wait loop).
+        """
         mailbox = self.mailbox
         assert mailbox is not None
         slot = mailbox.post(seq, signature, way, nbytes)
         shm_ring.fence()  # the post stored before the peers' asleep words are read
         for peer in mailbox.sleepers():
             shm_ring.ring_bell(self.bells[peer])
+        self.current = current = (wire.tag_seq(seq, 0), signature)  # expect's start, inline
+        self.pointing[0] = not nbytes or nbytes * self.host_ranks > self.cache_bytes
+        if self.remote:  # never where the ranks have mailboxes (all on this host), as in expect
+            self.control.expect(current[0], signature)
+        else:
+            self.control.current = current
+        clock = time.perf_counter
+        now = start = clock()
+        if self.unheard or now > self.next_liveness:
+            self._look_around(now)
+        heads = mailbox.peer_heads[slot]
+        deadline, tight = start + self.spin, min(self.tight_spin, self.spin)
+        yielded = False
+        for head in heads:  # in order: a peer once seen posted is not polled again
+            while head[0] != seq:
+                now = clock()
+                if now - start < tight:
+                    continue
+                if yielded and now > deadline:  # past the spin: progress waits for the rest
+                    self.awaited_post = (slot, seq)
+                    self.awaited = [
+                        peer for peer, head in zip(mailbox.peers, heads, strict=True) if head[0] != seq
+                    ]
+                    self.last_moved = now
+                    return slot
+                os.sched_yield()
+                yielded = True
+        self.last_moved = now
+        self.awaited = []
         return slot
-
-    def await_posts(self, slot: int, seq: int) -> list[int]:
-        """The local peers that have not posted ``seq`` in ``slot``: ``progress`` waits for them.
-
-        The latency path, as ``swap``'s receive: the posts are polled for up to
-        ``spin`` s first (without a syscall for ``TIGHT_SPIN`` s, then with
-        ``sched_yield``, at least once), with no wait loop or liveness look.
-        """
-        mailbox = self.mailbox
-        assert mailbox is not None
-        posted = mailbox.posted
-        self.awaited_post = (slot, seq)
-        awaited = []
-        for peer in mailbox.peers:  # a loop, not a comprehension: this runs before every small collective
-            if not posted(peer, slot, seq):
-                awaited.append(peer)
-        if awaited:
-            now = time.perf_counter()
-            tight_until, deadline = now + min(self.tight_spin, self.spin), now + self.spin
-            yielded = False
-            while awaited:  # the last awaited peer first: its post is the one worth a poll
-                if now >= tight_until:
-                    if yielded and now > deadline:
-                        awaited = [peer for peer in awaited if not posted(peer, slot, seq)]
-                        break
-                    os.sched_yield()
-                    yielded = True
-                while awaited and posted(awaited[-1], slot, seq):
-                    awaited.pop()
-                now = time.perf_counter()
-            self.last_moved = now
-        self.awaited = awaited
-        return awaited
 
     def _posts(self) -> bool:
         """Drop the awaited peers that have posted; whether any had."""

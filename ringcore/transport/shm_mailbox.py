@@ -13,6 +13,7 @@ the rings (``bench/HISTORY.md``, "Small allreduces in one shot").
 Layout of a rank's mailbox (``segment_bytes``)::
 
     [asleep u64 | pad to 64 B]
+    [word i64 | pad to 64 B]
     [slot 0: seq u64 | signature u64 | way u64 | nbytes u64 | pad to 64 B] [payload: slot_bytes]
     [slot 1: ...]
 
@@ -31,6 +32,11 @@ episode it has not rung for: the rings' protocol ("Doorbells" in
 :mod:`ringcore.transport.shm_ring`), with the transport's one wait loop
 (:meth:`ringcore.transport.shm.ShmTransport.progress`).
 
+The word. The direct allreduce's safety word of its owner (:mod:`ringcore.plans.direct`,
+"Safety"): ``seq`` while the owner reads and writes its peers' buffers, ``-seq`` once
+it gave up. Peers read it with a load, where reading it from the owner's memory
+through the kernel cost a system call per peer and call (4 us each at N=4).
+
 Files. Made and mapped at set-up (:mod:`ringcore.transport.shm_setup`), like the
 ring segments: 0600, unguessable names, unlinked once every peer mapped them.
 """
@@ -43,12 +49,13 @@ from ringcore.transport.shm_ring import Segment
 
 SLOT_BYTES = 64 * 1024  # the largest input a mailbox holds (RINGCORE_SMALL_BYTES' default)
 _LINE = 64
+_HEAD = 2 * _LINE  # the asleep word's line, the safety word's line
 SEQ_BITS = 24  # a collective's number as a frame's tag holds it (ringcore.transport.wire.tag_seq)
 
 
 def segment_bytes(slot_bytes: int = SLOT_BYTES) -> int:
     """Bytes of one rank's mailbox with slots of ``slot_bytes``."""
-    return _LINE + 2 * (_LINE + slot_bytes)
+    return _HEAD + 2 * (_LINE + slot_bytes)
 
 
 class Mailbox:
@@ -68,6 +75,7 @@ class Mailbox:
         self.peers = sorted(peer for peer in segments if peer != rank)
         self.rung = dict.fromkeys(self.peers, 0)  # each peer's last episode this rank rang for
         self.asleep: dict[int, memoryview] = {}
+        self.words: dict[int, memoryview] = {}  # rank -> its direct allreduce's word, as i64
         self.heads: dict[int, tuple[memoryview, memoryview]] = {}  # rank -> each slot's header, as u64
         self.payloads: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._views: dict[tuple[int, int, np.dtype], list[np.ndarray]] = {}
@@ -76,10 +84,16 @@ class Mailbox:
             data = segment.bytes
             assert data is not None and data.nbytes >= segment_bytes(slot_bytes)
             self.asleep[owner] = memoryview(data[:8]).cast("Q")
-            heads = [memoryview(data[_LINE + i * stride : 2 * _LINE + i * stride]).cast("Q") for i in (0, 1)]
+            self.words[owner] = memoryview(data[_LINE : _LINE + 8]).cast("q")
+            heads = [
+                memoryview(data[_HEAD + i * stride : _HEAD + _LINE + i * stride]).cast("Q") for i in (0, 1)
+            ]
             self.heads[owner] = (heads[0], heads[1])
-            pay = [data[2 * _LINE + i * stride : 2 * _LINE + i * stride + slot_bytes] for i in (0, 1)]
+            pay = [data[_HEAD + _LINE + i * stride : _HEAD + _LINE + i * stride + slot_bytes] for i in (0, 1)]
             self.payloads[owner] = (pay[0], pay[1])
+        # Per slot, the peers' headers in ``peers`` order: the waits read them with no call per peer.
+        self.peer_heads = tuple([self.heads[peer][i] for peer in self.peers] for i in (0, 1))
+        self._peer_asleep = [(peer, self.asleep[peer]) for peer in self.peers]
 
     @property
     def slot(self) -> int:
@@ -144,16 +158,18 @@ class Mailbox:
     def sleepers(self) -> list[int]:
         """The peers asleep in an episode this rank has not rung for (call after posting, and a fence)."""
         woken = []
-        for peer in self.peers:
-            episode = self.asleep[peer][0]
-            if episode and episode != self.rung[peer]:
-                self.rung[peer] = episode
+        rung = self.rung
+        for peer, word in self._peer_asleep:
+            episode = word[0]
+            if episode and episode != rung[peer]:
+                rung[peer] = episode
                 woken.append(peer)
         return woken
 
     def close(self) -> None:
         """Forget the views and unmap every mailbox."""
-        self.asleep, self.heads, self.payloads, self._views = {}, {}, {}, {}
+        self.asleep, self.words, self.heads, self.payloads, self._views = {}, {}, {}, {}, {}
+        self.peer_heads, self._peer_asleep = ([], []), []
         for segment in self.segments.values():
             segment.close()
         self.segments = {}

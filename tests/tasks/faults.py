@@ -109,10 +109,10 @@ class SendTrigger:
         if swap is not None:
             transport.swap = counted_swap
             self.patched.append("swap")
-        post = getattr(transport, "post", None) if getattr(transport, "mailbox", None) else None
+        post = getattr(transport, "meet_posts", None) if getattr(transport, "mailbox", None) else None
         if post is not None:
-            transport.post = counted_post
-            self.patched.append("post")
+            transport.meet_posts = counted_post
+            self.patched.append("meet_posts")
 
     def _count(self) -> None:
         self.posted += 1

@@ -180,7 +180,7 @@ def test_a_caller_whose_turn_was_taken_for_lost_gets_an_error_not_a_wait() -> No
     comm._abandon(ticket, None)  # what the watch does to a turn nobody started
     ran: list[int] = []
     with pytest.raises(ringcore.CommunicatorClosed, match="#1: its turn was taken for lost"):
-        comm._run_turn(CallPlan("test", lambda obj, seq: ran.append(seq)), None, None, ticket)
+        comm._run(CallPlan("test", lambda obj, seq: ran.append(seq)), None, None, ticket)
     assert ran == []
     comm.shutdown()
 

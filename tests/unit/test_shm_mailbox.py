@@ -18,10 +18,17 @@ import pytest
 from ringcore.errors import PeerFailure
 from ringcore.transport import shm_setup, wire
 from ringcore.transport.base import FrameMismatch
+from ringcore.transport.shm import ShmTransport
 from tests.conformance.test_transport import SIG, drive, view
 from tests.unit.test_shm_setup import close_all, connect_all, ours
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def post(transport: ShmTransport, seq: int, signature: int, way: int = 1, nbytes: int = 0) -> int:
+    """``meet_posts`` without its spin: post, start the collective, look once; the slot (``awaited``: who is missing)."""
+    transport.spin = 0.0
+    return transport.meet_posts(seq, signature, way, nbytes)
 
 
 def test_every_rank_maps_every_mailbox_and_nothing_is_left_in_dev_shm() -> None:
@@ -45,7 +52,7 @@ def test_a_post_is_seen_by_every_peer_with_its_header_and_payload_in_alternate_s
             slot = boxes[1].slot
             assert slot == (seq - 1) % 2
             boxes[1].payload(1, slot)[:8] = np.arange(8, dtype=np.uint8) + seq
-            assert transports[1].post(seq, 0xABC, 1, 8) == slot
+            assert post(transports[1], seq, 0xABC, 1, 8) == slot
             for reader in (0, 2):
                 assert boxes[reader].posted(1, slot, seq)
                 assert not boxes[reader].posted(1, 1 - slot, seq)
@@ -61,15 +68,14 @@ def test_progress_waits_for_the_posts_and_a_sleeper_is_woken() -> None:
     transports = connect_all(3)
     try:
         waiter = transports[0]
-        waiter.spin = 0.0
-        waiter.expect(wire.tag_seq(5, 0), SIG)
-        assert waiter.await_posts(0, 5) == [1, 2]
+        assert post(waiter, 5, SIG) == 0
+        assert waiter.awaited == [1, 2]
         assert not waiter.progress(0.01)  # nothing posted: nothing moved
 
         def post_later() -> None:
             time.sleep(0.05)
             for rank in (1, 2):
-                transports[rank].post(5, SIG, 1, 0)
+                post(transports[rank], 5, SIG)
 
         poster = threading.Thread(target=post_later)
         poster.start()
@@ -89,8 +95,8 @@ def test_a_frame_of_the_collective_while_waiting_for_posts_is_a_mismatch(part: i
     transports = connect_all(2)
     try:
         waiter, other = transports
-        waiter.expect(wire.tag_seq(7, 0), SIG)
-        assert waiter.await_posts(0, 7) == [1]
+        post(waiter, 7, SIG)
+        assert waiter.awaited == [1]
         frame = np.zeros(4, np.int32)
         sent = other.isend(0, 0, wire.tag_seq(7, part) << 32, SIG + 1, view(frame))
         drive(other, [sent])
@@ -109,10 +115,9 @@ def test_a_frame_from_a_peer_that_posted_is_a_fallback_not_a_mismatch() -> None:
     transports = connect_all(2)
     try:
         waiter, other = transports
-        waiter.spin = 0.0
-        waiter.expect(wire.tag_seq(6, 0), SIG)
-        assert waiter.await_posts(0, 6) == [1]
-        other.post(6, SIG, 0, 0)
+        post(waiter, 6, SIG)
+        assert waiter.awaited == [1]
+        post(other, 6, SIG, 0)
         frame = np.zeros(4, np.int32)
         sent = other.isend(0, 0, wire.tag_seq(6, 0) << 32, SIG, view(frame))
         drive(other, [sent])
@@ -130,7 +135,7 @@ def test_a_post_of_the_collective_while_waiting_for_frames_is_a_mismatch() -> No
         frame = np.zeros(4, np.int32)
         waiter.expect(wire.tag_seq(9, 0), SIG)
         waiting = waiter.irecv(1, 0, wire.tag_seq(9, 0) << 32, SIG, view(frame))
-        other.post(9, SIG + 1, 1, 0)
+        post(other, 9, SIG + 1)
         with pytest.raises(FrameMismatch) as caught:
             drive(waiter, [waiting], deadline=10)
         assert (caught.value.peer, caught.value.got) == (1, SIG + 1)
@@ -145,8 +150,8 @@ def test_a_peer_that_shuts_down_before_posting_fails_the_wait() -> None:
     transports = connect_all(2)
     try:
         waiter, other = transports
-        waiter.expect(wire.tag_seq(4, 0), SIG)
-        assert waiter.await_posts(0, 4) == [1]
+        post(waiter, 4, SIG)
+        assert waiter.awaited == [1]
         other.close()
         with pytest.raises(PeerFailure, match="before posting its input") as caught:
             end = time.monotonic() + 10
