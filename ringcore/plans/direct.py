@@ -207,8 +207,9 @@ class Voting:
         mailbox = getattr(transport, "mailbox", None)
         if mailbox is not None:
             rows_bytes = FIELDS * 8
-            mailbox.inputs(mailbox.slot, rows_bytes, _INT64)[self.rank][:] = row
-            slot = oneshot.meet(self.ctx, transport, seq, signature, oneshot.POSTED, rows_bytes)  # type: ignore[arg-type]
+            slot = mailbox.slot
+            mailbox.inputs(slot, rows_bytes, _INT64)[self.rank][:] = row
+            oneshot.meet(self.ctx, transport, seq, signature, oneshot.POSTED, rows_bytes)  # type: ignore[arg-type]
             return [posted.tolist() for posted in mailbox.inputs(slot, rows_bytes, _INT64)]
         rows = self.rows
         rows[:] = 0

@@ -111,11 +111,7 @@ class OneShotRoute:
                 inputs = self._inputs[slot] = mailbox.inputs(slot, plan.nbytes, self.storage)
             if flat is not None:
                 inputs[ctx.rank][...] = flat
-            meet(ctx, transport, seq, signature, ABSENT if flat is None else POSTED, plan.nbytes)
-            posted = 0  # a loop, not sum(generator): a 4 KiB allreduce is 12 us
-            for head in mailbox.peer_heads[slot]:
-                if head[2] == POSTED:
-                    posted += 1
+            posted = meet(ctx, transport, seq, signature, ABSENT if flat is None else POSTED, plan.nbytes)
         except BaseException as err:
             ctx.fail(Descriptor("allreduce", seq, *plan.fields), err)
         if flat is None or posted < len(mailbox.peers):
@@ -132,8 +128,9 @@ class OneShotRoute:
 
 
 def meet(ctx: Context, transport: ShmTransport, seq: int, signature: int, way: int, nbytes: int) -> int:
-    """Post this rank's part of collective ``seq`` (``nbytes`` already in its mailbox's next slot), wait
-    for every peer's and check their signatures; the slot, where every rank's post now is.
+    """Post this rank's part of collective ``seq`` (``nbytes`` already in its mailbox's next slot, the
+    mailbox's ``slot`` before the call), wait for every peer's and check their signatures; how many
+    peers posted that they take part (``POSTED``).
 
     The one-shot route's one synchronisation, and the direct route's two
     (:mod:`ringcore.plans.direct`). Raises what the caller's ``ctx.fail`` turns
@@ -153,13 +150,16 @@ def meet(ctx: Context, transport: ShmTransport, seq: int, signature: int, way: i
             watch.progress(0.5)
     mailbox = transport.mailbox
     assert mailbox is not None
+    taking = 0  # a loop, not sum(generator): a 4 KiB allreduce counts every call
     for head in mailbox.peer_heads[slot]:
         if head[1] != signature:
             for peer in mailbox.peers:  # who differs: only on the way to the error
                 theirs = mailbox.header(peer, slot)[1]
                 if theirs != signature:
                     raise FrameMismatch(peer, "signature", signature, theirs)
-    return slot
+        if head[2] == POSTED:
+            taking += 1
+    return taking
 
 
 def decline(ctx: Context, signature: int) -> None:

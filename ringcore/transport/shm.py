@@ -501,16 +501,21 @@ class ShmTransport:
         look at frames already waiting where this collective posts no receive
         (``_check_idle``, 0.25 us per local peer), which every wait makes too.
         """
+        self._start(seq, signature, nbytes)
+        now = time.perf_counter()
+        self.last_moved = now
+        if self.unheard or now > self.next_liveness:
+            self._look_around(now)
+
+    def _start(self, seq: int, signature: int, nbytes: int) -> None:
+        """Record collective ``seq`` as the running one: what the waits judge stray frames by, and
+        whether its frames point (``expect``)."""
         self.current = (seq & 0xFFFFFFFF, signature)
         self.pointing[0] = not nbytes or nbytes * self.host_ranks > self.cache_bytes
         if self.remote:  # early frames on TCP are data of peers on other hosts: TCP judges them
             self.control.expect(seq, signature)
         else:
             self.control.current = self.current
-        now = time.perf_counter()
-        self.last_moved = now
-        if self.unheard or now > self.next_liveness:
-            self._look_around(now)
 
     def _look_around(self, now: float) -> None:
         """The look at the local peers' TCP news and at frames waiting unasked (``expect``), at most
@@ -726,10 +731,14 @@ class ShmTransport:
         (``bench/HISTORY.md``, "The one-shot path flattened"). In order:
 
         - the post (``Mailbox.post``), a fence, and the doorbells of peers asleep on it;
-        - what ``expect`` does at a collective's start, the look at TCP when it is due;
+        - the look at TCP when it is due (``expect``'s);
         - the posts polled for up to ``spin`` s (without a syscall for ``TIGHT_SPIN`` s,
           then with ``sched_yield``, at least once). The peers still to post are
           ``awaited``; ``progress`` waits for them (the caller's wait loop).
+
+        The collective is recorded as the running one (``_start``: what stray frames are
+        judged by) only before a look or a wait, the only times it is read: collectives in
+        the mailboxes send no frames.
         """
         mailbox = self.mailbox
         assert mailbox is not None
@@ -737,15 +746,10 @@ class ShmTransport:
         shm_ring.fence()  # the post stored before the peers' asleep words are read
         for peer in mailbox.sleepers():
             shm_ring.ring_bell(self.bells[peer])
-        self.current = current = (wire.tag_seq(seq, 0), signature)  # expect's start, inline
-        self.pointing[0] = not nbytes or nbytes * self.host_ranks > self.cache_bytes
-        if self.remote:  # never where the ranks have mailboxes (all on this host), as in expect
-            self.control.expect(current[0], signature)
-        else:
-            self.control.current = current
         clock = time.perf_counter
         now = start = clock()
         if self.unheard or now > self.next_liveness:
+            self._start(wire.tag_seq(seq, 0), signature, nbytes)
             self._look_around(now)
         heads = mailbox.peer_heads[slot]
         deadline, tight = start + self.spin, min(self.tight_spin, self.spin)
@@ -756,6 +760,7 @@ class ShmTransport:
                 if now - start < tight:
                     continue
                 if yielded and now > deadline:  # past the spin: progress waits for the rest
+                    self._start(wire.tag_seq(seq, 0), signature, nbytes)
                     self.awaited_post = (slot, seq)
                     self.awaited = [
                         peer for peer, head in zip(mailbox.peers, heads, strict=True) if head[0] != seq
