@@ -72,6 +72,7 @@ class Mailbox:
         self.slot_bytes = slot_bytes
         self.segments = segments
         self.posts = 0  # posts this rank made: the next goes in slot posts % 2
+        self.slot = 0  # the slot of this rank's next post: write its input into payload(rank, slot) first
         self.peers = sorted(peer for peer in segments if peer != rank)
         self.rung = dict.fromkeys(self.peers, 0)  # each peer's last episode this rank rang for
         self.asleep: dict[int, memoryview] = {}
@@ -95,15 +96,11 @@ class Mailbox:
         self.peer_heads = tuple([self.heads[peer][i] for peer in self.peers] for i in (0, 1))
         self._peer_asleep = [(peer, self.asleep[peer]) for peer in self.peers]
 
-    @property
-    def slot(self) -> int:
-        """The slot of this rank's next post: write its input into ``payload(rank, slot)`` first."""
-        return self.posts & 1
-
     def post(self, seq: int, signature: int, way: int, nbytes: int) -> int:
         """Publish this rank's input of collective ``seq``, already in its next slot; the slot."""
-        slot = self.posts & 1
+        slot = self.slot
         self.posts += 1
+        self.slot = self.posts & 1  # an attribute, not a property: 3.11 does not specialise those
         head = self.heads[self.rank][slot]
         head[1], head[2], head[3] = signature, way, nbytes
         head[0] = seq  # last: the post is now the peers'
