@@ -96,7 +96,6 @@ class OneShotRoute:
         # What every call reads, bound once: at N=4 on 2 cores each lookup is paid twice a core.
         self.signature, self.nbytes, self.rank = plan.signature, plan.nbytes, plan.ctx.rank
         self.declined = plan.ctx.declined  # one set for the context's life (decline clears it in place)
-        self._inputs: list[list[np.ndarray] | None] = [None, None]  # each slot's views of every rank's input
         self._reduce: Any = None  # the plan's reducer's reduce, once made
 
     def run(self, obj: Any, seq: int) -> bool:
@@ -109,9 +108,7 @@ class OneShotRoute:
         try:
             flat = host_array(self.plan, obj)
             slot = mailbox.slot
-            inputs = self._inputs[slot]
-            if inputs is None:
-                inputs = self._inputs[slot] = mailbox.inputs(slot, self.nbytes, self.storage)
+            inputs = mailbox.inputs(slot, self.nbytes, self.storage)  # not kept here: the mailbox's to drop at close
             if flat is None:
                 posted = meet(self.ctx, transport, seq, signature, ABSENT, self.nbytes)
             else:

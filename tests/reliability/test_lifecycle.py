@@ -56,13 +56,13 @@ def test_init_shutdown_cycles_leak_nothing(timeline: bool, tmp_path: Path) -> No
     reports = spawn_ranks(tasks.lifecycle_cycles, lambda r: (r, 2, ports, env), [0, 1], 2, 80)
     for rank, report in reports.items():
         assert "error" not in report, report
-        assert report["sums"] == [(1.0 + 2 * c, 2.0) for c in range(CYCLES)], report["sums"]
+        assert report["sums"] == [(1.0 + 2 * c, 2.0, 3.0) for c in range(CYCLES)], report["sums"]
         for cycle, after in enumerate(report["after"]):
             assert_same_resources(report["before"], after, f"rank {rank} after cycle {cycle}")
     if timeline:
         for rank in (0, 1):
             events = json.loads((tmp_path / f"trace.rank{rank}.json").read_text())
-            assert sum(e.get("cat") == "collective" for e in events) == 2  # the last cycle's file
+            assert sum(e.get("cat") == "collective" for e in events) == 3  # the last cycle's file
 
 
 @pytest.mark.timeout(90)

@@ -189,9 +189,11 @@ def lifecycle_cycles(rank: int, size: int, ports: list[int], env: dict[str, str]
             ringcore.init(rank=rank, size=size, addr="127.0.0.1", port=port)
             small = np.full(100, float(rank + cycle), np.float64)
             big = np.full(200_000, float(rank + 1), np.float32)  # ring path
+            direct = np.full(1 << 18, float(rank + 1), np.float32)  # 1 MiB: the direct route on one host
             ringcore.allreduce(small, name="small")
             ringcore.allreduce(big, op="max", name="big")
-            report["sums"].append((float(small[0]), float(big.max())))
+            ringcore.allreduce(direct, name="direct")
+            report["sums"].append((float(small[0]), float(big.max()), float(direct.min())))
             ringcore.shutdown()
             report["after"].append(_resources())  # at once: shutdown() must have stopped everything
     except Exception as err:
