@@ -108,7 +108,9 @@ class OneShotRoute:
         try:
             flat = host_array(self.plan, obj)
             slot = mailbox.slot
-            inputs = mailbox.inputs(slot, self.nbytes, self.storage)  # not kept here: the mailbox's to drop at close
+            inputs = mailbox.inputs(
+                slot, self.nbytes, self.storage
+            )  # not kept here: the mailbox's to drop at close
             if flat is None:
                 posted = meet(self.ctx, transport, seq, signature, ABSENT, self.nbytes)
             else:
