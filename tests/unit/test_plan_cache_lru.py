@@ -69,3 +69,22 @@ def test_an_unhashable_key_is_neither_found_nor_kept() -> None:
     assert cache.get(key) is None
     cache.put(key, FakePlan())
     assert cache.stats()["layouts"] == 0
+
+
+def test_the_newest_layout_is_found_by_equality_and_a_bad_argument_is_a_miss() -> None:
+    """The last layout used is found without hashing; a key whose comparison raises (an array
+    passed as ``op``) or that is unhashable is a miss, for validation to name, not an error here."""
+    import numpy as np
+
+    cache = PlanCache(max_bytes=100)
+    plan = FakePlan()
+    key = (np.dtype(np.float32), (4,), (4,), "sum", None)
+    cache.put(key, plan)
+    assert cache.get((np.dtype(np.float32), (4,), (4,), "sum", None)) is plan  # an equal key, built anew
+    assert cache.get((np.dtype(np.float32), (4,), (4,), np.array([1, 2]), None)) is None
+    assert cache.get((np.dtype(np.float32), (4,), (4,), ["sum"], None)) is None
+    assert cache.get(key) is plan
+    cache.put(("other",), FakePlan())
+    assert cache.get(key) is plan  # no longer the newest: found by its hash, and the newest again
+    cache.clear()
+    assert cache.get(key) is None  # forgotten, the newest too
