@@ -37,7 +37,10 @@ class PlanCache:
             if key == self._newest_key:  # a loop over one layout: an equality, no hash (0.15 us less)
                 return self._newest
             plan = self._plans.get(key)
-        except (TypeError, ValueError):  # unhashable, or an argument whose == is not a bool (validation says so)
+        except (
+            TypeError,
+            ValueError,
+        ):  # unhashable, or an argument whose == is not a bool (validation says so)
             return None
         if plan is not None:  # used most recently: to the end
             del self._plans[key]
