@@ -27,8 +27,8 @@ The argument takes the GIL's one order of bytecodes: a free-threaded build
 back (not supported; tested on CPython 3.11).
 
 A lost turn. A KeyboardInterrupt can land between taking a ticket and the
-``try`` that passes its turn on (in ``_run``: Python checks for signals
-between bytecodes), and then no thread owns the turn. A thread waiting for
+``try`` that passes its turn on (in ``_run``: Python checks for signals at
+calls and backward jumps), and then no thread owns the turn. A thread waiting for
 its own turn looks, every ``TURN_CHECK`` s, whether the collective whose turn
 it is has started (``progress``); a blocking call's that has not started in
 ``LOST_TURN_GRACE`` s (at most ``RINGCORE_TIMEOUT``) is abandoned as an
@@ -69,6 +69,7 @@ from ringcore.context import Context
 from ringcore.descriptor import Descriptor
 from ringcore.errors import CollectiveTimeout, CommunicatorClosed
 from ringcore.kernels.numpy_ops import ignoring_fp_errors
+from ringcore.ops import Compression, ReduceOp
 from ringcore.plans import allreduce, broadcast, gather
 from ringcore.plans.barrier import BarrierPlan
 from ringcore.plans.base import Plan
@@ -81,6 +82,7 @@ from ringcore.transport.base import Transport
 
 TURN_CHECK = 1.0  # seconds between a waiting thread's looks at whether the turn's collective started
 LOST_TURN_GRACE = 10.0  # seconds a turn may go unstarted before it is taken for lost ("A lost turn")
+_KEYED = frozenset({str, ReduceOp, Compression, type(None)})  # op and compression types a plan key holds
 
 log = logging.getLogger("ringcore")
 
@@ -245,9 +247,16 @@ class Communicator:
         A hit skips validation: an array whose dtype, shape and strides (hence
         contiguity) match a layout that passed it with the same op and
         compression, and which is still writable, validates the same. Nothing
-        of the caller's array is kept.
+        of the caller's array is kept. Only an op and a compression of plain types
+        (``_KEYED``) make a key: the cache compares keys with ``==``, which an array
+        passed as ``op`` would answer element by element (validation names it instead).
         """
-        if type(buf) is np.ndarray and buf.flags.writeable:
+        if (
+            type(buf) is np.ndarray
+            and buf.flags.writeable
+            and type(op) in _KEYED
+            and type(compression) in _KEYED
+        ):
             key = (buf.dtype, buf.shape, buf.strides, op, compression)
             plan = self._plans.get(key)
             if plan is None:
@@ -336,6 +345,7 @@ class Communicator:
             self._worker.join(timeout=self.settings.timeout)
         if self.stall is not None:
             self.stall.stop()
+        self.ctx.direct_voting = None  # its words are views of the mailboxes: dropped before they close
         if self.transport is not None:
             self.transport.close()
         if self.store is not None:

@@ -97,7 +97,6 @@ class Context:
         self._reducers.clear()
         self._device = None
         self.barrier_steps = None
-        self.direct_voting = None  # its words are views of the mailboxes, which close with the transport
 
     def reducer(self, dtype: DType, op: ReduceOp, compression: Compression) -> Reducer:
         """The kernels for one kind of collective, kept so their scratch arrays are reused."""

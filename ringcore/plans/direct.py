@@ -54,7 +54,10 @@ set-up, ``cma.Probe``), read through ``process_vm_readv``, a system call per
 peer and call (4 us each at N=4 1 MiB, a twentieth of the rank's CPU). Before
 writing anything, a rank reads every peer's word and writes nothing where one
 gave up (it waits in the last barrier for that peer's ABORT, which names the
-cause; a peer whose process is gone fails the reads first); a rank that gives
+cause). A peer whose process is gone: its buffer cannot be read through the
+kernel (``PeerFailure`` naming it, before anything is written); a word in the
+mailbox outlives its process, so on symmetric memory the closing barrier names
+it, after this rank wrote into memory nobody owns any more. A rank that gives
 up sets ``-seq`` and then waits (``WRITER_GRACE`` s at most) until no live
 peer's word says ``seq``. A store, a fence, then a read of the other's word on
 both sides: one of the two sees the other, so no rank writes into a buffer

@@ -102,8 +102,9 @@ class Channel:
 class Word:
     """An 8-byte word at a fixed address in another process, read again and again cheaply.
 
-    The direct allreduce reads each peer's word in every call, and in a loop
-    after a failure (:mod:`ringcore.plans.direct`, "Safety"): the iovecs are built once.
+    The direct allreduce reads each peer's word in every call where the ranks have no
+    mailboxes, and in a loop after a failure (whether the peer still lives, with them;
+    :mod:`ringcore.plans.direct`, "Safety"): the iovecs are built once.
     """
 
     def __init__(self, pid: int, address: int) -> None:
@@ -128,9 +129,10 @@ class Word:
 class Probe:
     """A few random bytes this process keeps, so peers can check they may read its memory.
 
-    It also holds the word peers read during a direct allreduce
-    (:mod:`ringcore.plans.direct`, "Safety"), never freed: a peer that reads it
-    late must not find reused memory there.
+    It also holds the word peers read during a direct allreduce where the ranks
+    have no mailboxes (:mod:`ringcore.plans.direct`, "Safety"; with mailboxes the
+    word lies there and this one only tells peers the process is alive), never
+    freed: a peer that reads it late must not find reused memory there.
     """
 
     def __init__(self) -> None:

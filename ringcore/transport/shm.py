@@ -96,7 +96,8 @@ connection with nothing posted only when posted work cannot move, news of a
 local peer (ABORT, BYE, hang-up) is heard at once when the posted work
 involves that peer (a send to it or a receive from it), and otherwise only
 once nothing has moved for ``IDLE_GRACE`` s, or when the next collective
-starts (``expect``). A shared-memory send is done only once its last piece
+starts (``expect``, and ``meet_posts`` in the mailboxes; at most every
+``LIVENESS_EVERY`` s). A shared-memory send is done only once its last piece
 is in a slot (a pointer: once the peer copied it), where TCP's is done once
 its bytes are in the socket buffer,
 so a rank here still waits on a live, slow peer where over TCP its data
@@ -436,8 +437,10 @@ class ShmTransport:
         self.peer_pids = peer_pids or {}
         self.copyable = copyable = cma.Copyable()  # which of this rank's buffers peers may copy from
         self.copies_everywhere = False  # every rank may copy from and to every other (shm_setup agrees on it)
-        self.word: Any = None  # this rank's word for the direct allreduce, and the peers' addresses of theirs
-        self.peer_words: dict[int, int] = {}  # (ringcore.plans.direct, "Safety"; set by shm_setup)
+        self.word: Any = (
+            None  # this rank's word in its memory, and the peers' addresses of theirs (read where
+        )
+        self.peer_words: dict[int, int] = {}  # no mailboxes hold the words; ringcore.plans.direct, "Safety")
         self.mailbox: Mailbox | None = None  # every rank's, where all are on this host (shm_setup)
         self.awaited: list[int] = []  # local peers whose post this rank waits for ("Mailboxes")
         self.awaited_post = (0, 0)  # (slot, seq) of the post awaited
@@ -465,7 +468,7 @@ class ShmTransport:
         self.bells = bells
         self.episode = 0  # the last sleep's number, stored in the rings it waited on
         self.liveness = select.poll()  # the local peers' TCP connections, which carry no data
-        self.next_liveness = 0.0  # when expect() may poll them again
+        self.next_liveness = 0.0  # when expect() or meet_posts() may poll them again
         self.watched = {control.conns[(peer, 0)].fd: control.conns[(peer, 0)] for peer in self.local}
         for fd in self.watched:
             self.liveness.register(fd, _LIVENESS_EVENTS)

@@ -78,7 +78,7 @@ class SendTrigger:
     Every executor (the pipelined one, the latency path, the staged GPU one)
     posts its sends through the transport's ``isend``, or ``swap`` on the
     latency path, and the one-shot route its input through shared memory's
-    ``post``; wrapping those calls on the instance locates a point
+    ``meet_posts``; wrapping those calls on the instance locates a point
     inside any collective without reaching into an executor. ``arm(at,
     action)`` runs ``action`` before the ``at``-th send from then on;
     ``remove()`` restores the transport.

@@ -88,3 +88,25 @@ def test_the_newest_layout_is_found_by_equality_and_a_bad_argument_is_a_miss() -
     assert cache.get(key) is plan  # no longer the newest: found by its hash, and the newest again
     cache.clear()
     assert cache.get(key) is None  # forgotten, the newest too
+
+
+def test_an_array_passed_as_op_is_never_served_a_kept_plan() -> None:
+    """``np.array("sum") == "sum"`` is true, so a key holding it would match the kept layout's: the
+    communicator keys only plain ops and compressions, and validation names the bad one every time."""
+    import numpy as np
+    import pytest
+
+    from ringcore.comm import Communicator
+    from ringcore.config import Settings
+
+    comm = Communicator(0, 1, 0, 1, Settings(), None)
+    try:
+        buf = np.ones(4, np.float32)
+        comm.allreduce(buf)  # the layout is kept, and is the newest
+        for op in (np.array("sum"), np.array(["sum"])):
+            with pytest.raises(ValueError, match="unknown reduce op"):
+                comm.allreduce(buf, op=op)
+        comm.allreduce(buf, op=np.str_("sum"))  # a str subclass: validated each call, not kept
+        assert comm.plan_cache()["layouts"] == 1
+    finally:
+        comm.shutdown()

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def post(transport: ShmTransport, seq: int, signature: int, way: int = 1, nbytes: int = 0) -> int:
-    """``meet_posts`` without its spin: post, start the collective, look once; the slot (``awaited``: who is missing)."""
+    """``meet_posts`` with no spin left for this transport (it stays so): post, look once,
+    yield once; the slot (``awaited``: who is missing, the collective recorded as running)."""
     transport.spin = 0.0
     return transport.meet_posts(seq, signature, way, nbytes)
 
