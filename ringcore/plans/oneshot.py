@@ -108,14 +108,13 @@ class OneShotRoute:
         try:
             flat = host_array(self.plan, obj)
             slot = mailbox.slot
-            inputs = mailbox.inputs(
-                slot, self.nbytes, self.storage
-            )  # not kept here: the mailbox's to drop at close
-            if flat is None:
-                posted = meet(self.ctx, transport, seq, signature, ABSENT, self.nbytes)
-            else:
+            # The slot's views are not kept here: they are the mailbox's, dropped when it closes.
+            inputs = mailbox.inputs(slot, self.nbytes, self.storage)
+            if flat is not None:
                 inputs[self.rank][...] = flat
-                posted = meet(self.ctx, transport, seq, signature, POSTED, self.nbytes)
+            posted = meet(
+                self.ctx, transport, seq, signature, ABSENT if flat is None else POSTED, self.nbytes
+            )
         except BaseException as err:
             self.ctx.fail(Descriptor("allreduce", seq, *self.plan.fields), err)
         if flat is None or posted < len(mailbox.peers):

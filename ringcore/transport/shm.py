@@ -437,10 +437,10 @@ class ShmTransport:
         self.peer_pids = peer_pids or {}
         self.copyable = copyable = cma.Copyable()  # which of this rank's buffers peers may copy from
         self.copies_everywhere = False  # every rank may copy from and to every other (shm_setup agrees on it)
-        self.word: Any = (
-            None  # this rank's word in its memory, and the peers' addresses of theirs (read where
-        )
-        self.peer_words: dict[int, int] = {}  # no mailboxes hold the words; ringcore.plans.direct, "Safety")
+        # This rank's direct-allreduce word in its own memory and the peers' addresses of theirs, read
+        # where no mailboxes hold the words (ringcore.plans.direct, "Safety"; set by shm_setup).
+        self.word: Any = None
+        self.peer_words: dict[int, int] = {}
         self.mailbox: Mailbox | None = None  # every rank's, where all are on this host (shm_setup)
         self.awaited: list[int] = []  # local peers whose post this rank waits for ("Mailboxes")
         self.awaited_post = (0, 0)  # (slot, seq) of the post awaited
