@@ -107,11 +107,13 @@ class AllreducePlan:
         self._work = np.empty(0)
         self._pieces: tuple[Piece, ...] = ()
         self.direct = route_for(self)  # after the fields it reads
+        below = getattr(self.direct, "below", None)  # the two-shot route under the direct one
+        self.routes = tuple(route for route in (self.direct, below) if route is not None)
 
     @property
     def direct_calls(self) -> int:
-        """Calls that went direct (``plan_cache()`` counts them apart from the form's)."""
-        return self.direct.calls if self.direct is not None else 0
+        """Calls that took a route chosen per call (``plan_cache()`` counts them apart from the form's)."""
+        return sum(route.calls for route in self.routes)
 
     def run(self, obj: Any, seq: int) -> Any:
         """Reduce ``obj`` (this plan's layout, validated) as collective ``seq``, in its turn; returns ``obj``."""

@@ -75,7 +75,7 @@ class PlanCache:
         """``layouts``, ``scratch_bytes`` held, and per form the ``forms`` (layouts) and ``calls`` they ran.
 
         Calls that took a route chosen per call (:func:`ringcore.plans.direct.route_for`)
-        count under the route's name (``calls["direct"]``, ``calls["oneshot"]``), not
+        count under the route's name (``calls["direct"]``, ``calls["oneshot"]``, ``calls["twoshot"]``), not
         under their plan's form; ``routed``: per route, the plans with such calls.
         """
         forms: Counter[str] = Counter()
@@ -84,10 +84,10 @@ class PlanCache:
         for plan in self._plans.values():
             forms[plan.form] += 1
             calls[plan.form] += plan.calls - plan.direct_calls
-            route = plan.direct
-            if route is not None and route.calls:
-                calls[route.name] += route.calls
-                routed[route.name] += 1
+            for route in plan.routes:
+                if route.calls:
+                    calls[route.name] += route.calls
+                    routed[route.name] += 1
         return {
             "layouts": len(self._plans),
             "routed": dict(routed),

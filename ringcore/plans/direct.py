@@ -40,7 +40,10 @@ lies, so it is decided per call, in :meth:`DirectRoute.run` and nowhere else:
 - Below it, or where ranks may not copy (``RINGCORE_TRANSPORT=tcp``, Yama's
   ``ptrace_scope``), only symmetric memory goes direct, found by ``locate``,
   and the descriptor names the allocation, so a rank that passed other memory
-  fails with ``MismatchError`` before any rank touches a peer's array.
+  fails with ``MismatchError`` before any rank touches a peer's array. Other
+  memory below it takes the two-shot route through the mailboxes where the
+  ranks have them (``below``: :class:`ringcore.plans.oneshot.TwoShotRoute`),
+  else the plan's form.
 
 Safety. A rank writes into its peers' buffers, and a buffer is the caller's
 again once its rank returns, even from a failure, and a peer may pass the first
@@ -88,7 +91,7 @@ from ringcore.ops import Compression, ReduceOp
 from ringcore.plans import oneshot
 from ringcore.plans.barrier import synchronise
 from ringcore.plans.base import RoutedPlan, host_array, plan_reducer, run_steps
-from ringcore.plans.oneshot import OneShotRoute
+from ringcore.plans.oneshot import OneShotRoute, TwoShotRoute
 from ringcore.slicing import note_failure
 from ringcore.transport import cma, shm_ring, wire
 from ringcore.transport.shm import ShmTransport
@@ -253,8 +256,9 @@ class DirectRoute:
 
     name = "direct"
 
-    def __init__(self, plan: RoutedPlan) -> None:
+    def __init__(self, plan: RoutedPlan, below: TwoShotRoute | None = None) -> None:
         self.plan, self.ctx = plan, plan.ctx
+        self.below = below  # where this call's memory is not symmetric, below RINGCORE_DIRECT_BYTES
         self.calls = 0
         self._copyable = -1  # the address of this plan's last buffer found copyable
         self._share: tuple[int, int] | None = None  # this rank's [lo, hi) of the plan's elements
@@ -288,7 +292,7 @@ class DirectRoute:
         symmetric = ctx.symmetric  # symmetric memory only: the descriptor names it
         found = symmetric.locate(obj) if plan.buffer is None and symmetric is not None else None
         if found is None:
-            return False
+            return self.below is not None and self.below.run(obj, seq)
         allocation, offset = found
         flat = storage_view(obj, plan.dtype)
         desc = Descriptor("allreduce", seq, *plan.fields, allocation.label(offset))
@@ -392,11 +396,14 @@ def _agreed(rows: list[list[int]]) -> int:
 
 
 def route_for(plan: RoutedPlan) -> DirectRoute | OneShotRoute | None:
-    """The plan's direct route where its conditions hold, alike on every rank; None: its form alone.
+    """The plan's route chosen per call where its conditions hold, alike on every rank; None: its form alone.
 
-    At most ``RINGCORE_SMALL_BYTES`` (and a mailbox's slot): the one-shot route
-    (:mod:`ringcore.plans.oneshot`), where every rank mapped every mailbox.
-    Above it: :class:`DirectRoute` (module docstring).
+    Where every rank mapped every mailbox, at most ``RINGCORE_SMALL_BYTES``: the
+    one-shot route; above it and below ``RINGCORE_DIRECT_BYTES`` (the mailbox's
+    slot): the two-shot route (both :mod:`ringcore.plans.oneshot`). Above the
+    small limit, where every rank is on this host and ``RINGCORE_ATOMIC=0``:
+    :class:`DirectRoute` (module docstring), with the two-shot route below it for
+    memory that is not symmetric.
     """
     ctx, settings = plan.ctx, plan.ctx.settings
     transport = ctx.transport
@@ -407,12 +414,12 @@ def route_for(plan: RoutedPlan) -> DirectRoute | OneShotRoute | None:
         or plan.compression is not Compression.NONE
     ):
         return None
+    mailbox = getattr(transport, "mailbox", None)
+    boxed = mailbox is not None and plan.nbytes <= mailbox.slot_bytes
     if plan.nbytes <= settings.small_bytes:
-        mailbox = getattr(transport, "mailbox", None)
-        if mailbox is not None and plan.nbytes <= mailbox.slot_bytes:
-            return OneShotRoute(plan, transport)  # type: ignore[arg-type]
-        return None
+        return OneShotRoute(plan, transport) if boxed else None  # type: ignore[arg-type]
+    staged = TwoShotRoute(plan, transport) if boxed and plan.nbytes < settings.direct_bytes else None  # type: ignore[arg-type]
     symmetric = ctx.symmetric
     if settings.atomic or symmetric is None or not symmetric.shared:  # not every rank on this host
-        return None
-    return DirectRoute(plan)
+        return staged
+    return DirectRoute(plan, staged)

@@ -1,4 +1,4 @@
-"""The one-shot allreduce of small inputs on one host: post once, wait once, reduce all N.
+"""Allreduce through the mailboxes on one host: one shot for small inputs, two shots up to 1 MiB.
 
 A 4 KiB allreduce moves almost no bytes; its time is the ranks' waits for one
 another, and on a host with fewer cores than ranks every wait is a trip
@@ -50,6 +50,31 @@ hand-written floors, 4 KiB back to back, are 4.5 us at N=2 and 24.8 at N=4
 through the mailboxes against 5.1 and 33.6 for recursive doubling on the
 rings; ``compare.py`` gives the route 1.13-1.48x the rings' busbw at 4-64 KiB.
 
+Two shots. Above ``RINGCORE_SMALL_BYTES`` one shot has every rank reduce
+every element from ``N`` inputs, and the ring waits ``2(N-1)`` times for
+frames of a few KiB. From there up to the mailbox's slot (1 MiB) and below
+``RINGCORE_DIRECT_BYTES``, the two-shot route (:class:`TwoShotRoute`; the
+name is TensorRT-LLM's, for its custom allreduce) posts twice:
+
+1. as one shot: the input into the next slot, post, wait, signatures checked
+   (a rank that does not take part sends every rank to the plan's form);
+2. each rank reduces its share of the elements (:func:`ringcore.algo.direct.shares`,
+   64-byte aligned) from the ``N`` posted inputs, in rank order, into its
+   next slot, and posts that;
+3. once every peer has posted its share, each rank copies the ``N`` shares
+   into the caller's buffer.
+
+Per rank that is one copy in, one pass over its share reading ``N`` inputs,
+one copy out and two waits, where the ring makes ``2(N-1)`` of each through
+slots. The caller's buffer is written only in step 3, once nothing can fail,
+so a failure leaves it as it was, as one shot does (``RINGCORE_ATOMIC=1``
+takes this route too). The slots follow the mailbox's rule: a rank posts
+into a slot again two posts later, once every peer has posted in between,
+so has read it. Each share is reduced once, by its owner, so every rank ends
+with the same bits. Measured (``bench/HISTORY.md``, "Two shots"), busbw
+against the ring at 128-512 KiB: N=2 1.09-1.57x, N=4 1.48-2.30x; one shot
+would be 1.04-1.22x faster still at N=2, 0.68-0.89x as fast at N=4.
+
 The other collectives. :func:`exchange` is the same post and wait for a
 broadcast (the root posts its buffer, every rank copies it), an allgather
 (every rank posts its rows, every rank concatenates; a rank whose rows
@@ -60,7 +85,9 @@ each at most a slot and without compression, where every rank has mailboxes
 (:mod:`ringcore.plans.broadcast`, :mod:`ringcore.plans.gather`). Their
 plans' forms compile a schedule per call: at 4 KiB a broadcast took 73 us
 at N=2 and 270 at N=4, an allgather 128 and 590 (``bench/HISTORY.md``,
-"Small broadcasts and gathers in one shot").
+"Small broadcasts and gathers in one shot"); with 1 MiB slots, at 512 KiB
+and 1 MiB one shot takes 0.26-0.37x the rings' time for a broadcast,
+0.45-0.74x for an allgather and 0.56-0.84x for a reduce_scatter ("Two shots").
 """
 
 from __future__ import annotations
@@ -69,6 +96,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ringcore.algo.direct import shares
 from ringcore.algo.waiting import Watch
 from ringcore.descriptor import Descriptor
 from ringcore.plans.base import host_array, plan_reducer
@@ -121,12 +149,41 @@ class OneShotRoute:
             if flat is None and not posted:
                 decline(self.ctx, signature)
             return False
+        self._finish(flat, inputs, seq)
+        self.calls += 1
+        return True
+
+    def _finish(self, flat: np.ndarray, inputs: list[np.ndarray], seq: int) -> None:
+        """Every rank's input posted: reduce them all, in rank order, into the caller's buffer."""
         reduce = self._reduce
         if reduce is None:
             reduce = self._reduce = plan_reducer(self.plan).reduce
         reduce(flat, inputs)
-        self.calls += 1
-        return True
+
+
+class TwoShotRoute(OneShotRoute):
+    """One plan's two-shot route (module docstring, "Two shots"): the one-shot route's post and
+    wait, then each rank reduces its share into its next slot, posts that, and copies every share out."""
+
+    name = "twoshot"
+
+    def __init__(self, plan: RoutedPlan, transport: ShmTransport) -> None:
+        super().__init__(plan, transport)
+        self.shares = [slice(lo, hi) for lo, hi in shares(plan.count, plan.ctx.size, self.storage.itemsize)]
+        self.share = self.shares[self.rank]
+
+    def _finish(self, flat: np.ndarray, inputs: list[np.ndarray], seq: int) -> None:
+        mailbox = self.transport.mailbox
+        assert mailbox is not None
+        share = self.share
+        try:
+            outputs = mailbox.inputs(mailbox.slot, self.nbytes, self.storage)
+            plan_reducer(self.plan).reduce(outputs[self.rank][share], [view[share] for view in inputs])
+            meet(self.ctx, self.transport, seq, self.signature, POSTED, self.nbytes)
+        except BaseException as err:  # the peers wait for this rank's share: tell them
+            self.ctx.fail(Descriptor("allreduce", seq, *self.plan.fields), err)
+        for rank, part in enumerate(self.shares):  # nothing can fail now: the caller's buffer is written
+            flat[part] = outputs[rank][part]
 
 
 def meet(ctx: Context, transport: ShmTransport, seq: int, signature: int, way: int, nbytes: int) -> int:

@@ -47,7 +47,10 @@ import numpy as np
 
 from ringcore.transport.shm_ring import Segment
 
-SLOT_BYTES = 64 * 1024  # the largest input a mailbox holds (RINGCORE_SMALL_BYTES' default)
+# The largest input a mailbox holds: RINGCORE_DIRECT_BYTES' default, so that every allreduce below
+# the direct route's sizes fits the two-shot route (ringcore.plans.oneshot). /dev/shm reserves
+# 2 MiB per rank; a rank's pages are touched only as far as its posts reach.
+SLOT_BYTES = 1024 * 1024
 _LINE = 64
 _HEAD = 2 * _LINE  # the asleep word's line, the safety word's line
 SEQ_BITS = 24  # a collective's number as a frame's tag holds it (ringcore.transport.wire.tag_seq)

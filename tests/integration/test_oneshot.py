@@ -146,12 +146,12 @@ def _posted_calls(size: int) -> tuple[list[tuple[str, object]], list[int]]:
     ]:
         calls.append(("broadcast", ([rng.integers(-99, 99, shape).astype(dtype) for _ in range(size)], root)))
     calls.append(("allgather", [rng.integers(-9, 9, (rank, 7)).astype(np.float32) for rank in range(size)]))
-    big = [rng.integers(-9, 9, (200 if rank == size - 1 else 3, 100)) for rank in range(size)]
-    calls.append(("allgather", [rows.astype(np.float64) for rows in big]))  # the last rank's 160 KB: the ring
+    big = [rng.integers(-9, 9, (1400 if rank == size - 1 else 3, 100)) for rank in range(size)]
+    calls.append(("allgather", [rows.astype(np.float64) for rows in big]))  # the last rank's 1.1 MB: the ring
     for dtype, op in [("float32", "sum"), ("int32", "max"), ("float64", "avg")]:
         inputs = [rng.integers(-50, 50, (size * 3 + 1, 5)).astype(dtype) for _ in range(size)]
         calls.append(("reduce_scatter", (inputs, op)))
-    large = [rng.integers(-5, 5, (size * 4, 5000)).astype(np.float32) for _ in range(size)]  # past a slot
+    large = [rng.integers(-5, 5, (size * 4, 70_000)).astype(np.float32) for _ in range(size)]  # past a slot
     calls.append(("reduce_scatter", (large, "sum")))
     return calls, [1, 1, 1, 1, 1, 1, 1, 1, 1, 0]
 

@@ -10,9 +10,9 @@ import numpy as np
 
 
 def _direct_calls(comm: Any, buf: np.ndarray, op: str) -> int:
-    """Calls of ``buf``'s plan that took the direct route (the one-shot route's are not counted)."""
+    """Calls of ``buf``'s plan that took the direct route (the one- and two-shot routes' are not counted)."""
     plan = comm._allreduce_plan(buf, op, None)
-    return plan.direct_calls if plan.direct is not None and plan.direct.name == "direct" else 0  # type: ignore[no-any-return]
+    return plan.direct.calls if plan.direct is not None and plan.direct.name == "direct" else 0  # type: ignore[no-any-return]
 
 
 def allreduce_symmetric(

@@ -19,7 +19,7 @@ class FakePlan:
     form: str = "general"
     calls: int = 0
     direct_calls: int = 0
-    direct: FakeRoute | None = None  # a route chosen per call
+    routes: tuple[FakeRoute, ...] = ()  # routes chosen per call
 
 
 def test_hot_layouts_outlive_one_off_ones_in_a_full_cache() -> None:
@@ -48,10 +48,11 @@ def test_scratch_held_is_bounded_and_given_back() -> None:
     assert stats["scratch_bytes"] == 90 and stats["layouts"] == 3
     assert stats["forms"] == {"small": 3} and stats["calls"] == {"small": 7 + 8 + 9}
     cache.put(
-        "sym", FakePlan(holds=0, form="in_place", calls=5, direct_calls=4, direct=FakeRoute("direct", 4))
+        "sym", FakePlan(holds=0, form="in_place", calls=5, direct_calls=4, routes=(FakeRoute("direct", 4),))
     )
     cache.put(
-        "one", FakePlan(holds=0, form="unprepared", calls=2, direct_calls=2, direct=FakeRoute("oneshot", 2))
+        "one",
+        FakePlan(holds=0, form="unprepared", calls=2, direct_calls=2, routes=(FakeRoute("oneshot", 2),)),
     )
     stats = cache.stats()
     assert stats["calls"] == {"small": 7 + 8 + 9, "in_place": 1, "direct": 4, "unprepared": 0, "oneshot": 2}

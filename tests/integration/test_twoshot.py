@@ -1,0 +1,170 @@
+"""The two-shot allreduce on one host (``ringcore.plans.oneshot.TwoShotRoute``), across real processes.
+
+Above ``RINGCORE_SMALL_BYTES`` and below ``RINGCORE_DIRECT_BYTES`` every rank
+posts its input in its mailbox, reduces its share into its next slot, posts
+that, and copies every share into its buffer. Checked here: the results
+against numpy and against the rings (``RINGCORE_DIRECT_BYTES=0``) on the same
+inputs, for kept plans and one-call buffers, with every rank holding the same
+bits; ``RINGCORE_ATOMIC=1`` takes the route too; symmetric memory of the same
+sizes still goes direct; a peer that dies or stops between the two posts, or
+passes another op, fails every survivor naming it, with its buffer as it was.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ringcore
+from tests import tasks
+from tests.cluster import Background, Cluster, RankError, qualified
+from tests.conftest import RING_ONLY
+from tests.reference import check_allreduce
+
+KIB = 1024
+CASES = [  # (dtype, op, bytes): above RINGCORE_SMALL_BYTES (64 KiB), below RINGCORE_DIRECT_BYTES (1 MiB)
+    ("float32", "sum", 256 * KIB + 4),
+    ("float64", "avg", 100 * KIB + 8),
+    ("int32", "max", 1024 * KIB - 4),
+    ("int64", "prod", 96 * KIB),
+    ("float16", "min", 70 * KIB + 2),
+    ("uint16", "sum", 64 * KIB + 2),
+]
+COUNT = 100_000  # float32 elements (400 KB) for the failure tests: two shots
+
+
+def _inputs(size: int, seed: int) -> list[tuple[str, str, list[np.ndarray]]]:
+    rng = np.random.default_rng(seed)
+    cases = []
+    for dtype, op, nbytes in CASES:
+        low, high = (1, 3) if op == "prod" else (-50, 50)
+        count = nbytes // np.dtype(dtype).itemsize
+        cases.append((dtype, op, [rng.integers(low, high, count).astype(dtype) for _ in range(size)]))
+    return cases
+
+
+def plan_cache(comm: Any) -> dict[str, Any]:
+    return comm.plan_cache()  # type: ignore[no-any-return]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_mid_sized_allreduces_go_two_shot_and_match_numpy_and_the_rings(size: int) -> None:
+    cases = _inputs(size, 30 + size)
+    with Cluster(size, env=RING_ONLY, timeout=120) as cluster:
+        rings = [cluster.results(tasks.allreduce_routed, inputs, op) for _, op, inputs in cases]
+    with Cluster(size, timeout=120) as cluster:
+        for (dtype, op, inputs), by_ring in zip(cases, rings, strict=True):
+            for kind in ("numpy", "array"):
+                if kind == "array" and dtype == "float16":
+                    continue  # array.array has no float16
+                reports = cluster.results(tasks.allreduce_routed, inputs, op, kind)
+                for rank, (report, ring) in enumerate(zip(reports, by_ring, strict=True)):
+                    where = f"rank {rank} {kind} {dtype} {op} {inputs[0].nbytes} bytes:"
+                    assert ring["posted"] == 0, f"{where} RINGCORE_DIRECT_BYTES=0 posted"
+                    assert report["posted"] == 2 and report["direct"] == 0, f"{where} not two-shot: {report}"
+                    check_allreduce(report["result"], inputs, op, where=where)
+                    # integer-valued inputs: the ring's order of reduction gives the same bits
+                    assert report["result"].tobytes() == ring["result"].tobytes(), where
+                first = reports[0]["result"]
+                for report in reports[1:]:
+                    assert first.tobytes() == report["result"].tobytes(), "ranks disagree on the bits"
+        stats = cluster.results(plan_cache)
+    for rank, stat in enumerate(stats):
+        assert stat["routed"].get("twoshot") == len(CASES), (rank, stat)
+
+
+@pytest.mark.timeout(120)
+def test_atomic_allreduces_take_two_shots_and_symmetric_memory_still_goes_direct() -> None:
+    """``RINGCORE_ATOMIC=1`` keeps the two-shot route (a failure leaves the buffer as it was anyway);
+    an array from ``ringcore.empty`` of the same size goes direct (mapped), an ordinary one two-shot."""
+    size = 3
+    inputs = [np.arange(COUNT, dtype=np.float32) * (rank + 1) for rank in range(size)]
+    with Cluster(size, env={"RINGCORE_ATOMIC": "1"}, timeout=60) as cluster:
+        atomic = cluster.results(tasks.allreduce_routed, inputs, "sum")
+    with Cluster(size, timeout=60) as cluster:
+        mapped = cluster.results(tasks.allreduce_symmetric, inputs, "sum")
+        ordinary = cluster.results(tasks.allreduce_routed, inputs, "sum")
+    for rank in range(size):
+        assert atomic[rank]["posted"] == 2, (rank, atomic[rank])
+        check_allreduce(atomic[rank]["result"], inputs, "sum", where=f"rank {rank} atomic")
+        assert mapped[rank]["direct"] == 1 and mapped[rank]["outside intact"], (rank, mapped[rank])
+        check_allreduce(mapped[rank]["result"], inputs, "sum", where=f"rank {rank} symmetric")
+        assert ordinary[rank]["posted"] == 2, (rank, ordinary[rank])
+        assert ordinary[rank]["result"].tobytes() == mapped[rank]["result"].tobytes(), rank
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_dead_between_the_two_posts_fails_every_rank_with_buffers_untouched(tmp_path: Path) -> None:
+    """Rank 1 posts its input in round 1, then kills itself before posting its share."""
+    fault = (1, "kill9", str(tmp_path / "killed_at"), 1.0)  # the second of a round's two posts
+    with Cluster(3, env={"RINGCORE_TIMEOUT": "20"}, timeout=60) as cluster:
+        doomed = Background(cluster, tasks.allreduce_until_failure, COUNT, 3, fault, ranks=[1], timeout=90)
+        working = Background(
+            cluster, tasks.allreduce_until_failure, COUNT, 3, fault, ranks=[0, 2], timeout=90
+        )
+        reports = working.join(60)
+        (victim,) = doomed.join(30)
+    assert isinstance(victim, RankError) and victim.type_name == "dead", victim
+    for rank, report in zip([0, 2], reports, strict=True):
+        assert report["error"] == qualified(ringcore.PeerFailure), (rank, report)
+        assert report["peer"] == 1 and "rank 1" in report["message"], (rank, report)
+        assert report["rounds"] == 1 and report["untouched"], (rank, report)
+        assert report["exposed"] is None, (rank, report)  # nothing of the caller's buffer was written
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_stopped_between_the_two_posts_times_out_every_rank(tmp_path: Path) -> None:
+    count, victim, survivors = COUNT, 1, [0, 2]
+    fault = (victim, "sigstop", str(tmp_path / "stopped_at"), 1.0)
+    with Cluster(3, env={"RINGCORE_TIMEOUT": "3"}, timeout=60) as cluster:
+        try:
+            stopped = Background(
+                cluster, tasks.allreduce_until_failure, count, 3, fault, ranks=[victim], timeout=90
+            )
+            working = Background(
+                cluster, tasks.allreduce_until_failure, count, 3, fault, ranks=survivors, timeout=90
+            )
+            reports = working.join(60)
+            for rank, report in zip(survivors, reports, strict=True):
+                assert not isinstance(report, RankError), (rank, report)
+                assert report["error"] == qualified(ringcore.CollectiveTimeout), (rank, report)
+                assert report["rounds"] == 1 and report["untouched"], (rank, report)
+                assert "rank 1" in report["message"] or "from rank 0" in report["message"], (rank, report)
+            cluster.kill(victim, signal.SIGCONT)
+            (resumed,) = stopped.join(60)
+            assert not isinstance(resumed, RankError), resumed
+            assert resumed["error"] in (
+                qualified(ringcore.CollectiveTimeout),
+                qualified(ringcore.PeerFailure),
+            )
+        finally:
+            cluster.kill(victim, signal.SIGCONT)
+
+
+def other_op_on_rank_0(comm: object) -> dict[str, object]:
+    """Rank 0 passes max where the others pass sum, on a kept two-shot layout."""
+    x = np.arange(COUNT, dtype=np.float32)
+    comm.allreduce(x)  # type: ignore[attr-defined]
+    before = x.copy()
+    try:
+        comm.allreduce(x, op="max" if comm.rank == 0 else "sum")  # type: ignore[attr-defined]
+    except ringcore.MismatchError as err:
+        return {"error": "MismatchError", "message": str(err), "untouched": bool((x == before).all())}
+    return {"error": "none"}
+
+
+@pytest.mark.timeout(90)
+def test_another_op_on_one_rank_is_a_mismatch_naming_it() -> None:
+    with Cluster(3, env={"RINGCORE_TIMEOUT": "10"}, timeout=60) as cluster:
+        reports = cluster.results(other_op_on_rank_0)
+    for rank, report in enumerate(reports):
+        assert report["error"] == "MismatchError", (rank, report)
+        assert "rank 0 passed max" in report["message"] and "ranks 1-2 passed sum" in report["message"], (
+            report
+        )
+        assert report["untouched"], (rank, report)
