@@ -58,11 +58,11 @@ def _ab_settings(size: str, *variants: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.timeout(120)
 def test_ab_settings_variants_reach_the_plans() -> None:
-    """Each variant plans again under its own settings: 4 KiB is small (on one host: the one-shot
-    route) only with SMALL_BYTES."""
+    """Each variant plans again under its own settings: on one host 4 KiB goes one shot with
+    SMALL_BYTES=64K and two shots with SMALL_BYTES=0 (above the small limit)."""
     proc = _ab_settings("4K", "SMALL_BYTES=0", "SMALL_BYTES=64K")
     forms = re.findall(r"SMALL_BYTES=(\w+) .* form (\S+)", proc.stdout)
-    assert forms == [("0", "in_place"), ("64K", "oneshot")], proc.stdout
+    assert forms == [("0", "twoshot"), ("64K", "oneshot")], proc.stdout
 
 
 @pytest.mark.timeout(120)

@@ -255,12 +255,12 @@ def outgrown_pool(comm: Any) -> dict[str, Any]:
     import gc
     import weakref
 
-    comm.reduce_scatter(np.ones((comm.size, 50_000), np.float32))  # scratch pools of ~200 KB
+    comm.reduce_scatter(np.ones((comm.size, 300_000), np.float32))  # past a mailbox's slot: pools of ~1.2 MB
     pools = [weakref.ref(pool) for pool in comm.ctx.scratch_pools()]
     x = np.ones(1000, np.float32)
     for _ in range(3):
         comm.allreduce(x)  # bound now
-    comm.reduce_scatter(np.ones((comm.size, 500_000), np.float32))  # the pools grow
+    comm.reduce_scatter(np.ones((comm.size, 3_000_000), np.float32))  # the pools grow
     gc.collect()
     return {"pools": len(pools), "alive": sum(ref() is not None for ref in pools), "bound": _bound(comm)}
 
