@@ -42,8 +42,8 @@ lies, so it is decided per call, in :meth:`DirectRoute.run` and nowhere else:
   and the descriptor names the allocation, so a rank that passed other memory
   fails with ``MismatchError`` before any rank touches a peer's array. Other
   memory below it takes the two-shot route through the mailboxes where the
-  ranks have them (``below``: :class:`ringcore.plans.oneshot.TwoShotRoute`),
-  else the plan's form.
+  ranks have them (``below``: :class:`ringcore.plans.oneshot.TwoShotRoute`; one
+  shot at N=2), else the plan's form.
 
 Safety. A rank writes into its peers' buffers, and a buffer is the caller's
 again once its rank returns, even from a failure, and a peer may pass the first
@@ -256,7 +256,7 @@ class DirectRoute:
 
     name = "direct"
 
-    def __init__(self, plan: RoutedPlan, below: TwoShotRoute | None = None) -> None:
+    def __init__(self, plan: RoutedPlan, below: OneShotRoute | None = None) -> None:
         self.plan, self.ctx = plan, plan.ctx
         self.below = below  # where this call's memory is not symmetric, below RINGCORE_DIRECT_BYTES
         self.calls = 0
@@ -400,7 +400,7 @@ def route_for(plan: RoutedPlan) -> DirectRoute | OneShotRoute | None:
 
     Where every rank mapped every mailbox, at most ``RINGCORE_SMALL_BYTES``: the
     one-shot route; above it and below ``RINGCORE_DIRECT_BYTES`` (the mailbox's
-    slot): the two-shot route (both :mod:`ringcore.plans.oneshot`). Above the
+    slot): the two-shot route, one shot again at N=2 (both :mod:`ringcore.plans.oneshot`). Above the
     small limit, where every rank is on this host and ``RINGCORE_ATOMIC=0``:
     :class:`DirectRoute` (module docstring), with the two-shot route below it for
     memory that is not symmetric.
@@ -418,7 +418,9 @@ def route_for(plan: RoutedPlan) -> DirectRoute | OneShotRoute | None:
     boxed = mailbox is not None and plan.nbytes <= mailbox.slot_bytes
     if plan.nbytes <= settings.small_bytes:
         return OneShotRoute(plan, transport) if boxed else None  # type: ignore[arg-type]
-    staged = TwoShotRoute(plan, transport) if boxed and plan.nbytes < settings.direct_bytes else None  # type: ignore[arg-type]
+    staged = None
+    if boxed and plan.nbytes < settings.direct_bytes:  # two ranks: one shot's one add beats a second wait
+        staged = (OneShotRoute if ctx.size == 2 else TwoShotRoute)(plan, transport)  # type: ignore[arg-type]
     symmetric = ctx.symmetric
     if settings.atomic or symmetric is None or not symmetric.shared:  # not every rank on this host
         return staged

@@ -23,8 +23,8 @@ overwrites a slot only two posts later, once every peer has posted in
 between and so has read it (the mailbox's two slots).
 
 When. The route is chosen in :func:`ringcore.plans.direct.route_for`, for plans
-of at most ``RINGCORE_SMALL_BYTES`` (and the mailbox's 64 KiB slot) without
-compression, where every rank is on this host and mapped every mailbox
+of at most ``RINGCORE_SMALL_BYTES`` (at N=2 of up to a 1 MiB slot below
+``RINGCORE_DIRECT_BYTES``: "Two shots" below) without compression, where every rank is on this host and mapped every mailbox
 (agreed at set-up) and ``RINGCORE_DIRECT_BYTES`` is not 0 (which keeps every
 allreduce on the rings). Every rank posts in every such allreduce: a rank
 whose buffer is not in host memory (a GPU's) posts that it does not take
@@ -72,8 +72,13 @@ takes this route too). The slots follow the mailbox's rule: a rank posts
 into a slot again two posts later, once every peer has posted in between,
 so has read it. Each share is reduced once, by its owner, so every rank ends
 with the same bits. Measured (``bench/HISTORY.md``, "Two shots"), busbw
-against the ring at 128-512 KiB: N=2 1.09-1.57x, N=4 1.48-2.30x; one shot
-would be 1.04-1.22x faster still at N=2, 0.68-0.89x as fast at N=4.
+against the ring at 128-512 KiB: N=4 1.48-2.30x, where one shot is
+0.68-0.89x as fast as two. At N=2 one shot takes this range too: two shots
+would have each rank add half the elements and copy the other half, one
+shot's single add of the peer's input in another form, and wait once more
+(one shot 1.05-1.16x two shots' busbw at 96-384 KiB; at N=3 two shots are
+1.04-1.43x one shot's at 128-384 KiB). The choice is
+:func:`ringcore.plans.direct.route_for`'s.
 
 The other collectives. :func:`exchange` is the same post and wait for a
 broadcast (the root posts its buffer, every rank copies it), an allgather

@@ -48,19 +48,19 @@ def test_variant_settings_refuse_what_the_transport_took_at_init(text: str) -> N
         variant_settings(Settings.from_env({}), text)
 
 
-def _ab_settings(size: str, *variants: str) -> subprocess.CompletedProcess[str]:
-    """``bench/ab_settings.py`` on 2 ranks, one short block per variant; it must succeed."""
+def _ab_settings(size: str, *variants: str, ranks: int = 2) -> subprocess.CompletedProcess[str]:
+    """``bench/ab_settings.py`` on ``ranks`` ranks, one short block per variant; it must succeed."""
     script = [sys.executable, "bench/ab_settings.py", size, *variants, "--blocks", "1", "--iters", "3"]
-    proc = _run_bench([sys.executable, "-m", "ringcore.run", "-np", "2", *script])
+    proc = _run_bench([sys.executable, "-m", "ringcore.run", "-np", str(ranks), *script])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 
 
 @pytest.mark.timeout(120)
 def test_ab_settings_variants_reach_the_plans() -> None:
-    """Each variant plans again under its own settings: on one host 4 KiB goes one shot with
-    SMALL_BYTES=64K and two shots with SMALL_BYTES=0 (above the small limit)."""
-    proc = _ab_settings("4K", "SMALL_BYTES=0", "SMALL_BYTES=64K")
+    """Each variant plans again under its own settings: with 3 ranks on one host 4 KiB goes one
+    shot with SMALL_BYTES=64K and two shots with SMALL_BYTES=0 (above the small limit)."""
+    proc = _ab_settings("4K", "SMALL_BYTES=0", "SMALL_BYTES=64K", ranks=3)
     forms = re.findall(r"SMALL_BYTES=(\w+) .* form (\S+)", proc.stdout)
     assert forms == [("0", "twoshot"), ("64K", "oneshot")], proc.stdout
 
