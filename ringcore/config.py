@@ -61,8 +61,8 @@ class Settings:
     # allreduces of this size and more on one host, where every rank may copy to and from every other
     # (process_vm_readv/writev), go direct: each rank reduces its share from the peers' buffers and
     # writes it into theirs (ringcore.plans.direct); below it only arrays from ringcore.empty do;
-    # 0: none (the ring). 1 MiB: below it the ring was faster (bench/HISTORY.md, "Ordinary buffers go direct")
-    direct_bytes: int = 1 * MIB
+    # None: auto (see direct_from); 0: none (the ring, and no one- or two-shot route either)
+    direct_bytes: int | None = None
     spin_us: int | None = None  # busy-poll before sleeping; None: auto (see spin_seconds)
     log_level: str = "WARNING"
     secret: bytes | None = None
@@ -115,7 +115,7 @@ class Settings:
             hierarchical=reader.flag("RINGCORE_HIERARCHICAL", cls.hierarchical),
             socket_buffer=reader.size("RINGCORE_SOCKET_BUFFER", cls.socket_buffer, minimum=0),
             atomic=reader.flag("RINGCORE_ATOMIC", cls.atomic),
-            direct_bytes=reader.size("RINGCORE_DIRECT_BYTES", cls.direct_bytes, minimum=0),
+            direct_bytes=reader.size_or_auto("RINGCORE_DIRECT_BYTES", minimum=0),
             spin_us=_spin(env.get("RINGCORE_SPIN_US", "auto")),
             log_level=env.get("RINGCORE_LOG_LEVEL", cls.log_level).upper(),
             secret=env["RINGCORE_SECRET"].encode() if "RINGCORE_SECRET" in env else None,
@@ -183,6 +183,22 @@ class Settings:
         """Wire bytes per slice of a broadcast: ``RINGCORE_SLICE_BYTES``, auto 48 MiB (bounds scratch)."""
         return SCRATCH_SLICE_BYTES if self.slice_bytes is None else self.slice_bytes
 
+    def direct_from(self, size: int) -> int:
+        """Bytes from which an allreduce of ``size`` ranks on one host goes direct: ``RINGCORE_DIRECT_BYTES``
+        when set (0: never).
+
+        Auto: 384 KiB for two ranks, 1 MiB for more. Below it the mailboxes'
+        routes win (``ringcore.plans.oneshot``: one or two waits and user-space
+        copies, against the direct route's vote, closing barrier and a system
+        call per piece and peer). Measured (``bench/HISTORY.md``, "Two shots"):
+        at N=2 one shot had 1.06x the direct route's busbw at 256 KiB and
+        0.85-0.89x at 384 KiB; at N=3 two shots had 1.18x at 512 KiB, at N=4
+        1.04-1.06x from 512 to 768 KiB and 0.98x at 896 KiB.
+        """
+        if self.direct_bytes is not None:
+            return self.direct_bytes
+        return AUTO_DIRECT_PAIR_BYTES if size == 2 else AUTO_DIRECT_BYTES
+
     def allreduce_slice_bytes(self, size: int, cache_sized: bool) -> int:
         """Wire bytes per slice of an allreduce: ``RINGCORE_SLICE_BYTES`` when set.
 
@@ -237,6 +253,8 @@ SEGMENT_BYTES = 512 * KIB
 WIDE_SEGMENT_BYTES = 2 * MIB
 SCRATCH_SLICE_BYTES = 48 * MIB
 CACHE_SLICE_PER_RANK = 1 * MIB
+AUTO_DIRECT_BYTES = 1 * MIB  # the direct route's auto limit (Settings.direct_from)
+AUTO_DIRECT_PAIR_BYTES = 384 * KIB  # ... for two ranks
 
 
 def _spin(text: str) -> int | None:

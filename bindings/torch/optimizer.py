@@ -293,7 +293,7 @@ def _symmetric_buffers(
     check covers what decides them).
     """
     buffers: dict[int, torch.Tensor] = {}
-    if comm.settings.atomic or not comm.settings.direct_bytes:
+    if comm.settings.atomic or not comm.settings.direct_from(comm.size):
         return buffers
     for bucket in buckets:
         if len(bucket.params) < 2 or bucket.device.type != "cpu" or bucket.dtype is torch.bfloat16:

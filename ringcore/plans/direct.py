@@ -21,7 +21,8 @@ it has the one-shot route instead (:mod:`ringcore.plans.oneshot`), where every
 rank mapped every mailbox. Whether a call takes it depends on where each rank's memory
 lies, so it is decided per call, in :meth:`DirectRoute.run` and nowhere else:
 
-- From ``RINGCORE_DIRECT_BYTES`` (1 MiB), where every rank may copy from and to
+- From ``RINGCORE_DIRECT_BYTES`` (auto: 384 KiB at N=2, 1 MiB for more ranks:
+  ``Settings.direct_from``), where every rank may copy from and to
   every other (``ShmTransport.copies_everywhere``, probed and agreed at set-up),
   the ranks vote: each offers a row ``(way, address, allocation, offset)`` in a
   small allreduce (part ``VOTE_PART`` of the collective's tags): remote for a
@@ -33,10 +34,11 @@ lies, so it is decided per call, in :meth:`DirectRoute.run` and nowhere else:
   so it costs about the barrier it replaces; where it sends everyone to the
   ring (a job whose ranks all pass GPU buffers) it is one small allreduce more,
   once per signature: after a vote where every rank offered nothing, that
-  signature skips the vote (:func:`ringcore.plans.oneshot.decline`). Below 1
-  MiB the ring was faster on ordinary buffers (the vote, a barrier and a
-  system call per piece and peer against the ring's few steps through cached
-  slots: ``bench/HISTORY.md``, "Ordinary buffers go direct").
+  signature skips the vote (:func:`ringcore.plans.oneshot.decline`). Below
+  the limit the mailboxes' one or two shots are faster on ordinary buffers
+  (the vote, a barrier and a system call per piece and peer against one or
+  two waits: ``bench/HISTORY.md``, "Two shots"; before them the ring was
+  faster below 1 MiB: "Ordinary buffers go direct").
 - Below it, or where ranks may not copy (``RINGCORE_TRANSPORT=tcp``, Yama's
   ``ptrace_scope``), only symmetric memory goes direct, found by ``locate``,
   and the descriptor names the allocation, so a rank that passed other memory
@@ -259,6 +261,7 @@ class DirectRoute:
     def __init__(self, plan: RoutedPlan, below: OneShotRoute | None = None) -> None:
         self.plan, self.ctx = plan, plan.ctx
         self.below = below  # where this call's memory is not symmetric, below RINGCORE_DIRECT_BYTES
+        self.direct_from = plan.ctx.settings.direct_from(plan.ctx.size)
         self.calls = 0
         self._copyable = -1  # the address of this plan's last buffer found copyable
         self._share: tuple[int, int] | None = None  # this rank's [lo, hi) of the plan's elements
@@ -271,7 +274,7 @@ class DirectRoute:
         if voting is None and isinstance(transport, ShmTransport) and transport.copies_everywhere:
             # made in the turn, as everything that touches the transport
             voting = ctx.direct_voting = Voting(ctx, transport)
-        if voting is not None and plan.nbytes >= ctx.settings.direct_bytes:
+        if voting is not None and plan.nbytes >= self.direct_from:
             if plan.signature in ctx.declined:  # every rank offered nothing before (GPU or pinned memory)
                 return False
             desc = Descriptor("allreduce", seq, *plan.fields)
@@ -407,19 +410,15 @@ def route_for(plan: RoutedPlan) -> DirectRoute | OneShotRoute | None:
     """
     ctx, settings = plan.ctx, plan.ctx.settings
     transport = ctx.transport
-    if (
-        ctx.size < 2
-        or transport is None
-        or not settings.direct_bytes
-        or plan.compression is not Compression.NONE
-    ):
+    direct_from = settings.direct_from(ctx.size)
+    if ctx.size < 2 or transport is None or not direct_from or plan.compression is not Compression.NONE:
         return None
     mailbox = getattr(transport, "mailbox", None)
     boxed = mailbox is not None and plan.nbytes <= mailbox.slot_bytes
     if plan.nbytes <= settings.small_bytes:
         return OneShotRoute(plan, transport) if boxed else None  # type: ignore[arg-type]
     staged = None
-    if boxed and plan.nbytes < settings.direct_bytes:  # two ranks: one shot's one add beats a second wait
+    if boxed and plan.nbytes < direct_from:  # two ranks: one shot's one add beats a second wait
         staged = (OneShotRoute if ctx.size == 2 else TwoShotRoute)(plan, transport)  # type: ignore[arg-type]
     symmetric = ctx.symmetric
     if settings.atomic or symmetric is None or not symmetric.shared:  # not every rank on this host

@@ -28,7 +28,8 @@ KIB = 1024
     [(2, "shm", "1G"), (3, "shm", "1G"), (4, "shm", "1G"), (3, "tcp", "1G"), (3, "shm", "1M")],
 )
 def test_direct_allreduce_matches_numpy_and_the_ring(size: int, transport: str, direct_bytes: str) -> None:
-    """Against the ring on ordinary arrays (``RINGCORE_DIRECT_BYTES=1G``: only symmetric memory goes direct).
+    """Against ordinary arrays (``RINGCORE_DIRECT_BYTES=1G``: only symmetric memory goes direct; ordinary
+    arrays take the ring, or one or two shots through the mailboxes up to 1 MiB).
 
     At the default 1M the cases from 1 MiB vote, and the ordinary arrays beside them go direct too.
     """

@@ -76,7 +76,7 @@ def small_route(comm: Any) -> tuple[int, int]:
     on one host (``ringcore.plans.oneshot``) unless ``RINGCORE_DIRECT_BYTES=0`` pins the rings,
     where the small form counts. A job that should go one-shot and did not counts nothing."""
     stats = comm.plan_cache()
-    if comm.ctx.settings.direct_bytes:
+    if comm.ctx.settings.direct_from(comm.size):
         return stats["routed"].get("oneshot", 0), stats["calls"].get("oneshot", 0)
     return kept_layouts(comm, "small"), stats["calls"].get("small", 0)
 

@@ -152,6 +152,16 @@ def test_allreduce_slices_are_cache_sized_only_on_an_uncrowded_host_unless_set()
     assert fixed.allreduce_slice_bytes(2, cache_sized=True) == 16 * MIB == fixed.scratch_slice_bytes()
 
 
+def test_the_direct_route_starts_at_384k_for_two_ranks_and_1m_for_more_unless_set() -> None:
+    auto = Settings.from_env({"RINGCORE_DIRECT_BYTES": "auto"})
+    assert auto.direct_bytes is None and Settings.from_env({}).direct_bytes is None
+    assert auto.direct_from(2) == 384 * KIB
+    assert auto.direct_from(3) == auto.direct_from(8) == 1 * MIB
+    fixed = Settings.from_env({"RINGCORE_DIRECT_BYTES": "2M"})
+    assert fixed.direct_from(2) == fixed.direct_from(4) == 2 * MIB
+    assert Settings.from_env({"RINGCORE_DIRECT_BYTES": "0"}).direct_from(2) == 0  # never: the rings
+
+
 def test_assignments_name_known_settings_with_values_init_accepts() -> None:
     """What the comparison tools run as a variant: a misspelt name must not measure the defaults."""
     assert assignments("SHM_CACHE_BYTES=0+spin_us=auto") == {
