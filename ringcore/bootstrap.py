@@ -351,13 +351,21 @@ AGREED_SETTINGS = {
 }
 
 
+def _agreed_value(settings: Settings, field: str, size: int) -> Any:
+    """What a rank says about ``field``: its value, or for the direct route's limit the bytes it means
+    in a world of ``size`` (auto and an explicit 1M agree from three ranks)."""
+    return settings.direct_from(size) if field == "direct_bytes" else getattr(settings, field)
+
+
 def _me(host: str, listener: socket.socket, world: WorldSpec, settings: Settings) -> dict[str, Any]:
     return {
         "host": host,
         "port": listener.getsockname()[1],
         "size": world.size,
         "pid": os.getpid(),
-        "settings": {name: getattr(settings, field) for name, field in AGREED_SETTINGS.items()},
+        "settings": {
+            name: _agreed_value(settings, field, world.size) for name, field in AGREED_SETTINGS.items()
+        },
         **describe_me(world.local_size, world.local_rank),
     }
 

@@ -60,7 +60,8 @@ class Settings:
     atomic: bool = False  # a failed in-place allreduce restores the caller's buffer (one extra copy)
     # allreduces of this size and more on one host, where every rank may copy to and from every other
     # (process_vm_readv/writev), go direct: each rank reduces its share from the peers' buffers and
-    # writes it into theirs (ringcore.plans.direct); below it only arrays from ringcore.empty do;
+    # writes it into theirs (ringcore.plans.direct); below it only arrays from ringcore.empty do, and
+    # other buffers take the mailboxes' one or two shots (ringcore.plans.oneshot);
     # None: auto (see direct_from); 0: none (the ring, and no one- or two-shot route either)
     direct_bytes: int | None = None
     spin_us: int | None = None  # busy-poll before sleeping; None: auto (see spin_seconds)

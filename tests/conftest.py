@@ -16,10 +16,11 @@ def ring_only() -> Iterator[None]:
     """Pin a test's clusters to the ring (``RINGCORE_DIRECT_BYTES=0``).
 
     For tests about the ring itself (its frames, forms, slices, fault phases,
-    or bits shared with the GPU path): on one host an allreduce above the small
-    limit otherwise goes direct (``ringcore.plans.direct``), and one at or below
-    it one-shot (``ringcore.plans.oneshot``), which have tests of their own
-    (``tests/integration/test_direct.py``, ``test_oneshot.py``).
+    or bits shared with the GPU path): on one host an allreduce at or below the
+    small limit otherwise goes one-shot, one above it two-shot (one shot at N=2;
+    ``ringcore.plans.oneshot``) and from ``RINGCORE_DIRECT_BYTES`` direct
+    (``ringcore.plans.direct``), which have tests of their own
+    (``tests/integration/test_oneshot.py``, ``test_twoshot.py``, ``test_direct.py``).
     """
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cluster, "BASE_ENV", RING_ONLY)

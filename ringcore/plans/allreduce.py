@@ -39,12 +39,15 @@ call was still half a 1 MiB allreduce's Python calls. Measured:
 calls per small step"). All forms send the same frames, tags and signatures,
 so ranks whose plans took different forms still agree.
 
-The direct routes. On one host, above the small limit, with no compression
-and ``RINGCORE_ATOMIC=0``, a call may instead go direct
-(:mod:`ringcore.plans.direct`): the ranks read and write each other's buffers,
-and only a vote's and a barrier's small frames travel. At or below it, with
-no compression, it goes one-shot (:mod:`ringcore.plans.oneshot`): each rank
-posts its input in a shared mailbox and reduces every rank's. That depends on where
+The routes on one host. Where every rank runs on this host, with no
+compression, a call may instead take a route around the plan's form. At or
+below the small limit it goes one-shot (:mod:`ringcore.plans.oneshot`): each
+rank posts its input in a shared mailbox and reduces every rank's. Above it
+and below ``RINGCORE_DIRECT_BYTES`` it goes two-shot (one shot at N=2): each
+rank reduces its share of the posted inputs, posts that and copies the
+shares out. From there, with ``RINGCORE_ATOMIC=0``, it goes direct
+(:mod:`ringcore.plans.direct`): the ranks read and write each other's
+buffers, and only a vote's and a barrier's small posts travel. That depends on where
 each rank's memory lies (a CPU buffer, symmetric memory, a GPU), not on the
 layout, so it is chosen per call, in :meth:`AllreducePlan.run`, and nowhere
 else; where the ranks' memory does not allow it, they all run the plan's form.

@@ -18,7 +18,9 @@ chosen) when the conditions hold alike on every rank: a world of 2+ on one host,
 above ``RINGCORE_SMALL_BYTES``, no compression, ``RINGCORE_ATOMIC=0`` and
 ``RINGCORE_DIRECT_BYTES`` not 0 (all agreed at init). At or below the small limit
 it has the one-shot route instead (:mod:`ringcore.plans.oneshot`), where every
-rank mapped every mailbox. Whether a call takes it depends on where each rank's memory
+rank mapped every mailbox, and above it the mailboxes' one or two shots below
+``RINGCORE_DIRECT_BYTES`` (with ``RINGCORE_ATOMIC=1`` too, where they are the
+plan's only route). Whether a call takes it depends on where each rank's memory
 lies, so it is decided per call, in :meth:`DirectRoute.run` and nowhere else:
 
 - From ``RINGCORE_DIRECT_BYTES`` (auto: 384 KiB at N=2, 1 MiB for more ranks:
@@ -87,6 +89,7 @@ from ringcore.algo import direct, lockstep, recursive_doubling
 from ringcore.algo.program import compile_program
 from ringcore.algo.steps import Buf
 from ringcore.buffers import DTYPES, storage_view
+from ringcore.config import AUTO_DIRECT_BYTES
 from ringcore.descriptor import Descriptor
 from ringcore.errors import PeerFailure
 from ringcore.ops import Compression, ReduceOp
@@ -402,11 +405,12 @@ def route_for(plan: RoutedPlan) -> DirectRoute | OneShotRoute | None:
     """The plan's route chosen per call where its conditions hold, alike on every rank; None: its form alone.
 
     Where every rank mapped every mailbox, at most ``RINGCORE_SMALL_BYTES``: the
-    one-shot route; above it and below ``RINGCORE_DIRECT_BYTES`` (the mailbox's
-    slot): the two-shot route, one shot again at N=2 (both :mod:`ringcore.plans.oneshot`). Above the
-    small limit, where every rank is on this host and ``RINGCORE_ATOMIC=0``:
-    :class:`DirectRoute` (module docstring), with the two-shot route below it for
-    memory that is not symmetric.
+    one-shot route; above it and below ``RINGCORE_DIRECT_BYTES`` (``Settings.direct_from``;
+    1 MiB at least where ordinary buffers cannot go direct) and the mailbox's slot:
+    the two-shot route, one shot again at N=2 (both :mod:`ringcore.plans.oneshot`).
+    Above the small limit, where every rank is on this host and ``RINGCORE_ATOMIC=0``:
+    :class:`DirectRoute` (module docstring), with that route below it for memory
+    that is not symmetric.
     """
     ctx, settings = plan.ctx, plan.ctx.settings
     transport = ctx.transport
@@ -417,10 +421,13 @@ def route_for(plan: RoutedPlan) -> DirectRoute | OneShotRoute | None:
     boxed = mailbox is not None and plan.nbytes <= mailbox.slot_bytes
     if plan.nbytes <= settings.small_bytes:
         return OneShotRoute(plan, transport) if boxed else None  # type: ignore[arg-type]
-    staged = None
-    if boxed and plan.nbytes < direct_from:  # two ranks: one shot's one add beats a second wait
-        staged = (OneShotRoute if ctx.size == 2 else TwoShotRoute)(plan, transport)  # type: ignore[arg-type]
     symmetric = ctx.symmetric
-    if settings.atomic or symmetric is None or not symmetric.shared:  # not every rank on this host
-        return staged
-    return DirectRoute(plan, staged)
+    mapped = not settings.atomic and symmetric is not None and symmetric.shared  # every rank on this host
+    # Where ordinary buffers cannot go direct (RINGCORE_ATOMIC=1, ranks that may not copy from each
+    # other), the mailboxes take them up to 1 MiB at any N. All of it agreed at set-up.
+    remote = mapped and getattr(transport, "copies_everywhere", False)
+    staged = None
+    if boxed and plan.nbytes < (direct_from if remote else max(direct_from, AUTO_DIRECT_BYTES)):
+        # two ranks: one shot's one add beats a second wait
+        staged = (OneShotRoute if ctx.size == 2 else TwoShotRoute)(plan, transport)  # type: ignore[arg-type]
+    return DirectRoute(plan, staged) if mapped else staged

@@ -184,14 +184,22 @@ class TwoShotRoute(OneShotRoute):
         try:
             outputs = mailbox.inputs(mailbox.slot, self.nbytes, self.storage)
             plan_reducer(self.plan).reduce(outputs[self.rank][share], [view[share] for view in inputs])
-            meet(self.ctx, self.transport, seq, self.signature, POSTED, self.nbytes)
+            meet(self.ctx, self.transport, seq, self.signature, POSTED, self.nbytes, "reduced share")
         except BaseException as err:  # the peers wait for this rank's share: tell them
             self.ctx.fail(Descriptor("allreduce", seq, *self.plan.fields), err)
         for rank, part in enumerate(self.shares):  # nothing can fail now: the caller's buffer is written
             flat[part] = outputs[rank][part]
 
 
-def meet(ctx: Context, transport: ShmTransport, seq: int, signature: int, way: int, nbytes: int) -> int:
+def meet(
+    ctx: Context,
+    transport: ShmTransport,
+    seq: int,
+    signature: int,
+    way: int,
+    nbytes: int,
+    what: str = "input",
+) -> int:
     """Post this rank's part of collective ``seq`` (``nbytes`` already in its mailbox's next slot, the
     mailbox's ``slot`` before the call), wait for every peer's and check their signatures; how many
     peers posted that they take part (``POSTED``).
@@ -208,7 +216,7 @@ def meet(ctx: Context, transport: ShmTransport, seq: int, signature: int, way: i
             transport,
             ctx.settings.timeout,
             stall.interruption if stall is not None else None,
-            lambda: "waiting for the input of " + ", ".join(f"rank {p}" for p in transport.awaited),
+            lambda: f"waiting for the {what} of " + ", ".join(f"rank {p}" for p in transport.awaited),
         )
         while transport.awaited:
             watch.progress(0.5)

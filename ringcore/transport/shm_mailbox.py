@@ -47,9 +47,9 @@ import numpy as np
 
 from ringcore.transport.shm_ring import Segment
 
-# The largest input a mailbox holds: RINGCORE_DIRECT_BYTES' default, so that every allreduce below
-# the direct route's sizes fits the two-shot route (ringcore.plans.oneshot). /dev/shm reserves
-# 2 MiB per rank; a rank's pages are touched only as far as its posts reach.
+# The largest input a mailbox holds: RINGCORE_DIRECT_BYTES' auto limit from three ranks, so that every
+# allreduce below the direct route's sizes fits the two-shot route (ringcore.plans.oneshot); broadcasts
+# and gathers up to it go one shot. Each rank's 2 MiB are reserved in /dev/shm at set-up (fallocate).
 SLOT_BYTES = 1024 * 1024
 _LINE = 64
 _HEAD = 2 * _LINE  # the asleep word's line, the safety word's line

@@ -1,9 +1,10 @@
 """The direct allreduce of ordinary buffers across real processes (``ringcore.plans.direct``).
 
 Every rank on one host may copy to and from every other, so an allreduce of
-``RINGCORE_DIRECT_BYTES`` (1 MiB) or more goes direct: the results are checked
-against numpy and against the ring (``RINGCORE_DIRECT_BYTES=0``) on the same
-inputs; a smaller one takes the ring. The vote sends
+``RINGCORE_DIRECT_BYTES`` (auto: 384 KiB at N=2, 1 MiB for more) or more goes
+direct: the results are checked against numpy and against the ring
+(``RINGCORE_DIRECT_BYTES=0``) on the same inputs; a smaller one takes the
+mailboxes' one or two shots (``test_twoshot.py``). The vote sends
 ranks whose memory does not allow it (a GPU buffer among host ones) to the
 ring together; a rank that fails waits for the peers still writing into its
 buffer, and names one that does not stop.

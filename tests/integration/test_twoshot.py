@@ -13,6 +13,7 @@ passes another op, fails every survivor naming it, with its buffer as it was.
 
 from __future__ import annotations
 
+import json
 import signal
 from collections import Counter
 from pathlib import Path
@@ -24,8 +25,9 @@ import pytest
 import ringcore
 from ringcore.config import Settings
 from tests import tasks
-from tests.cluster import Background, Cluster, RankError, qualified
+from tests.cluster import Background, Cluster, RankError, free_port, qualified
 from tests.conftest import RING_ONLY
+from tests.integration.test_halving_doubling import start_rank
 from tests.reference import check_allreduce
 
 KIB = 1024
@@ -97,8 +99,9 @@ def test_mid_sized_allreduces_go_two_shot_or_one_and_match_numpy_and_the_rings(s
 
 @pytest.mark.timeout(120)
 def test_atomic_allreduces_take_two_shots_and_symmetric_memory_still_goes_direct() -> None:
-    """``RINGCORE_ATOMIC=1`` keeps the two-shot route (a failure leaves the buffer as it was anyway);
-    an array from ``ringcore.empty`` of the same size goes direct (mapped), an ordinary one two-shot."""
+    """``RINGCORE_ATOMIC=1`` keeps the mailboxes' routes (a failure leaves the buffer as it was anyway),
+    up to 1 MiB at N=2 too; an array from ``ringcore.empty`` of the same size goes direct (mapped), an
+    ordinary one two-shot."""
     size = 3
     inputs = [np.arange(COUNT, dtype=np.float32) * (rank + 1) for rank in range(size)]
     with Cluster(size, env={"RINGCORE_ATOMIC": "1"}, timeout=60) as cluster:
@@ -106,6 +109,12 @@ def test_atomic_allreduces_take_two_shots_and_symmetric_memory_still_goes_direct
     with Cluster(size, timeout=60) as cluster:
         mapped = cluster.results(tasks.allreduce_symmetric, inputs, "sum")
         ordinary = cluster.results(tasks.allreduce_routed, inputs, "sum")
+    pair = [np.arange(150_000, dtype=np.float32) * (rank + 1) for rank in range(2)]  # 600 KB
+    with Cluster(2, env={"RINGCORE_ATOMIC": "1"}, timeout=60) as cluster:
+        atomic_pair = cluster.results(tasks.allreduce_routed, pair, "sum")
+    for rank in range(2):  # past the auto direct limit of two ranks, which atomic jobs do not take
+        assert (atomic_pair[rank]["posted"], atomic_pair[rank]["direct"]) == (1, 0), (rank, atomic_pair[rank])
+        check_allreduce(atomic_pair[rank]["result"], pair, "sum", where=f"rank {rank} atomic, N=2")
     for rank in range(size):
         assert atomic[rank]["posted"] == 2, (rank, atomic[rank])
         check_allreduce(atomic[rank]["result"], inputs, "sum", where=f"rank {rank} atomic")
@@ -185,3 +194,20 @@ def test_another_op_on_one_rank_is_a_mismatch_naming_it() -> None:
             report
         )
         assert report["untouched"], (rank, report)
+
+
+def test_auto_and_an_explicit_direct_limit_agree_where_they_mean_the_same_bytes() -> None:
+    """From three ranks auto means 1 MiB, so a rank that sets 1M agrees with the rest; at N=2 auto
+    means 384 KiB, and the ranks fail at init naming both values."""
+    for size, agree in ((3, True), (2, False)):
+        port = free_port()
+        env = {"RINGCORE_DIRECT_BYTES": "1M"}
+        ranks = [start_rank(rank, size, port, env if rank == size - 1 else {}) for rank in range(size)]
+        reports = [json.loads(proc.communicate(timeout=60)[0].strip().splitlines()[-1]) for proc in ranks]
+        for report in reports:
+            if agree:
+                assert report["error"] is None, report
+            else:
+                assert report["error"] == "ConfigError", report
+                assert "RINGCORE_DIRECT_BYTES" in report["message"], report
+                assert "393216" in report["message"] and "1048576" in report["message"], report
