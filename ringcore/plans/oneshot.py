@@ -25,8 +25,9 @@ between and so has read it (the mailbox's two slots).
 When. The route is chosen in :func:`ringcore.plans.direct.route_for`, for plans
 of at most ``RINGCORE_SMALL_BYTES`` (at N=2 of up to a 1 MiB slot below
 ``RINGCORE_DIRECT_BYTES``: "Two shots" below) without compression, where
-every rank is on this host and mapped every mailbox (agreed at set-up) and ``RINGCORE_DIRECT_BYTES`` is not 0 (which keeps every
-allreduce on the rings). Every rank posts in every such allreduce: a rank
+every rank is on this host and mapped every mailbox (agreed at set-up) and
+``RINGCORE_DIRECT_BYTES`` is not 0 (which keeps every allreduce on the
+rings). Every rank posts in every such allreduce: a rank
 whose buffer is not in host memory (a GPU's) posts that it does not take
 part, and then every rank runs its plan's own form, so host and GPU ranks
 still meet in one ring. A rank that runs something else is found from
