@@ -318,6 +318,22 @@ class Background:
         return self.out
 
 
+def run_with_stopped_rank(
+    cluster: Cluster, fn: Any, *args: Any, victim: int, survivors: list[int], timeout: float = 90.0
+) -> tuple[list[Any], Any]:
+    """Run ``fn(comm, *args)`` on ``victim`` and ``survivors`` at once, the victim stopping itself
+    (SIGSTOP) inside it: the survivors' results, then the victim's once it was sent SIGCONT."""
+    try:
+        stopped = Background(cluster, fn, *args, ranks=[victim], timeout=timeout)
+        working = Background(cluster, fn, *args, ranks=survivors, timeout=timeout)
+        reports = working.join(60)
+        cluster.kill(victim, signal.SIGCONT)
+        (resumed,) = stopped.join(60)
+        return reports, resumed
+    finally:
+        cluster.kill(victim, signal.SIGCONT)
+
+
 def kill_mid_allreduce(
     cluster: Cluster, victim: int, stamp: Any, count: int, join_timeout: float = 60.0
 ) -> tuple[list[int], list[Any], float]:

@@ -15,7 +15,6 @@ name the culprit.
 
 from __future__ import annotations
 
-import signal
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ import pytest
 
 import ringcore
 from tests import cluster, tasks
-from tests.cluster import Background, Cluster, RankError, qualified
+from tests.cluster import Cluster, RankError, qualified, run_with_stopped_rank
 from tests.conftest import RING_ONLY
 
 try:
@@ -125,49 +124,24 @@ def test_stopped_peer_times_out_a_bound_allreduce(tmp_path: Path) -> None:
     fault = (victim, "sigstop", str(tmp_path / "stopped_at"), 0.5)
     with Cluster(3, env={"RINGCORE_TIMEOUT": "3"}) as cluster:
         assert cluster.results(warm_then_report, count) == [1, 1, 1]
-        try:
-            stopped = Background(
-                cluster, tasks.allreduce_until_failure, count, 3, fault, ranks=[victim], timeout=90
-            )
-            working = Background(
-                cluster, tasks.allreduce_until_failure, count, 3, fault, ranks=survivors, timeout=90
-            )
-            reports = working.join(60)
-            for rank, report in zip(survivors, reports, strict=True):
-                assert not isinstance(report, RankError), (rank, report)
-                assert report["error"] == qualified(ringcore.CollectiveTimeout), (rank, report)
-                assert report["rounds"] > 0 and report["untouched"], (rank, report)
-                # Rank 0 waits on rank 1 itself. Rank 2 waits on rank 0: it names rank 1 when rank 0's
-                # ABORT reaches it first, or rank 0 when its own timer fires first.
-                assert "rank 1" in report["message"] or "from rank 0" in report["message"], (rank, report)
-            cluster.kill(victim, signal.SIGCONT)
-            (resumed,) = stopped.join(60)
-            assert not isinstance(resumed, RankError), resumed
-            assert resumed["error"] in (
-                qualified(ringcore.CollectiveTimeout),
-                qualified(ringcore.PeerFailure),
-            )
-        finally:
-            cluster.kill(victim, signal.SIGCONT)
-
-
-def bound_then_disagree(comm: Any) -> dict[str, Any]:
-    """Both layouts bound on every rank, then rank 0 picks the other op: a mismatch, buffer untouched."""
-    x = np.arange(100, dtype=np.float32)
-    for op in ("sum", "max", "sum", "max"):
-        comm.allreduce(x, op=op)
-    before = x.copy()
-    try:
-        comm.allreduce(x, op="max" if comm.rank == 0 else "sum")
-    except ringcore.MismatchError as err:
-        return {"error": "MismatchError", "message": str(err), "untouched": bool((x == before).all())}
-    return {"error": "none"}
+        reports, resumed = run_with_stopped_rank(
+            cluster, tasks.allreduce_until_failure, count, 3, fault, victim=victim, survivors=survivors
+        )
+    for rank, report in zip(survivors, reports, strict=True):
+        assert not isinstance(report, RankError), (rank, report)
+        assert report["error"] == qualified(ringcore.CollectiveTimeout), (rank, report)
+        assert report["rounds"] > 0 and report["untouched"], (rank, report)
+        # Rank 0 waits on rank 1 itself. Rank 2 waits on rank 0: it names rank 1 when rank 0's
+        # ABORT reaches it first, or rank 0 when its own timer fires first.
+        assert "rank 1" in report["message"] or "from rank 0" in report["message"], (rank, report)
+    assert not isinstance(resumed, RankError), resumed
+    assert resumed["error"] in (qualified(ringcore.CollectiveTimeout), qualified(ringcore.PeerFailure))
 
 
 @pytest.mark.timeout(90)
 def test_mismatch_on_bound_layouts_names_the_rank() -> None:
     with Cluster(3, env={"RINGCORE_TIMEOUT": "10"}) as cluster:
-        reports = cluster.results(bound_then_disagree)
+        reports = cluster.results(tasks.other_op_on_rank_0, 100)
     for rank, report in enumerate(reports):
         assert report["error"] == "MismatchError", (rank, report)
         assert "rank 0 passed max" in report["message"] and "ranks 1-2 passed sum" in report["message"], (

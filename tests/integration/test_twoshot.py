@@ -14,7 +14,6 @@ passes another op, fails every survivor naming it, with its buffer as it was.
 from __future__ import annotations
 
 import json
-import signal
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import pytest
 import ringcore
 from ringcore.config import Settings
 from tests import tasks
-from tests.cluster import Background, Cluster, RankError, free_port, qualified
+from tests.cluster import Background, Cluster, RankError, free_port, qualified, run_with_stopped_rank
 from tests.conftest import RING_ONLY
 from tests.integration.test_halving_doubling import start_rank
 from tests.reference import check_allreduce
@@ -145,49 +144,25 @@ def test_a_peer_dead_between_the_two_posts_fails_every_rank_with_buffers_untouch
 
 @pytest.mark.timeout(120)
 def test_a_peer_stopped_between_the_two_posts_times_out_every_rank(tmp_path: Path) -> None:
-    count, victim, survivors = COUNT, 1, [0, 2]
+    victim, survivors = 1, [0, 2]
     fault = (victim, "sigstop", str(tmp_path / "stopped_at"), 1.0)
     with Cluster(3, env={"RINGCORE_TIMEOUT": "3"}, timeout=60) as cluster:
-        try:
-            stopped = Background(
-                cluster, tasks.allreduce_until_failure, count, 3, fault, ranks=[victim], timeout=90
-            )
-            working = Background(
-                cluster, tasks.allreduce_until_failure, count, 3, fault, ranks=survivors, timeout=90
-            )
-            reports = working.join(60)
-            for rank, report in zip(survivors, reports, strict=True):
-                assert not isinstance(report, RankError), (rank, report)
-                assert report["error"] == qualified(ringcore.CollectiveTimeout), (rank, report)
-                assert report["rounds"] == 1 and report["untouched"], (rank, report)
-                assert "rank 1" in report["message"] or "from rank 0" in report["message"], (rank, report)
-            cluster.kill(victim, signal.SIGCONT)
-            (resumed,) = stopped.join(60)
-            assert not isinstance(resumed, RankError), resumed
-            assert resumed["error"] in (
-                qualified(ringcore.CollectiveTimeout),
-                qualified(ringcore.PeerFailure),
-            )
-        finally:
-            cluster.kill(victim, signal.SIGCONT)
-
-
-def other_op_on_rank_0(comm: object) -> dict[str, object]:
-    """Rank 0 passes max where the others pass sum, on a kept two-shot layout."""
-    x = np.arange(COUNT, dtype=np.float32)
-    comm.allreduce(x)  # type: ignore[attr-defined]
-    before = x.copy()
-    try:
-        comm.allreduce(x, op="max" if comm.rank == 0 else "sum")  # type: ignore[attr-defined]
-    except ringcore.MismatchError as err:
-        return {"error": "MismatchError", "message": str(err), "untouched": bool((x == before).all())}
-    return {"error": "none"}
+        reports, resumed = run_with_stopped_rank(
+            cluster, tasks.allreduce_until_failure, COUNT, 3, fault, victim=victim, survivors=survivors
+        )
+    for rank, report in zip(survivors, reports, strict=True):
+        assert not isinstance(report, RankError), (rank, report)
+        assert report["error"] == qualified(ringcore.CollectiveTimeout), (rank, report)
+        assert report["rounds"] == 1 and report["untouched"], (rank, report)
+        assert "rank 1" in report["message"] or "from rank 0" in report["message"], (rank, report)
+    assert not isinstance(resumed, RankError), resumed
+    assert resumed["error"] in (qualified(ringcore.CollectiveTimeout), qualified(ringcore.PeerFailure))
 
 
 @pytest.mark.timeout(90)
 def test_another_op_on_one_rank_is_a_mismatch_naming_it() -> None:
     with Cluster(3, env={"RINGCORE_TIMEOUT": "10"}, timeout=60) as cluster:
-        reports = cluster.results(other_op_on_rank_0)
+        reports = cluster.results(tasks.other_op_on_rank_0, COUNT)
     for rank, report in enumerate(reports):
         assert report["error"] == "MismatchError", (rank, report)
         assert "rank 0 passed max" in report["message"] and "ranks 1-2 passed sum" in report["message"], (

@@ -285,3 +285,19 @@ def _sliced_round(
     if not np.allclose(buf, want, rtol=1e-5, atol=1e-4):
         return {"error": "wrong result", "rounds": rounds}
     return None
+
+
+def other_op_on_rank_0(comm: Any, count: int) -> dict[str, Any]:
+    """Sum and max layouts of ``count`` float32 kept on every rank, then rank 0 passes max where the
+    others pass sum: the MismatchError's message, and whether the buffer stayed as it was."""
+    import ringcore
+
+    x = np.arange(count, dtype=np.float32)
+    for op in ("sum", "max", "sum", "max"):
+        comm.allreduce(x, op=op)
+    before = x.copy()
+    try:
+        comm.allreduce(x, op="max" if comm.rank == 0 else "sum")
+    except ringcore.MismatchError as err:
+        return {"error": "MismatchError", "message": str(err), "untouched": bool((x == before).all())}
+    return {"error": "none"}
