@@ -19,7 +19,7 @@ from ringcore.algo import hierarchical
 from ringcore.algo.execute import Executor
 from ringcore.algo.hierarchical import Grid
 from ringcore.algo.program import compile_program, waits_for
-from ringcore.algo.steps import Buf, Region, Step
+from ringcore.algo.steps import Buf, Region, Step, chunk_bounds
 from ringcore.buffers import DTYPES
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
@@ -156,20 +156,46 @@ def test_in_place_simulated_matches_numpy(name: str) -> None:
             assert got.tobytes() == expected.tobytes()
 
 
-def test_a_local_round_interleaves_its_blocks_segment_by_segment() -> None:
-    """The local connection carries segment k of every block first; the first cross-host step waits for them only."""
+def test_local_rounds_go_block_by_block_beside_the_cross_host_steps() -> None:
+    """Each block's local rounds come just before the cross-host step that first needs it and run
+    alongside the one before; the first cross-host step waits for two blocks' segment k, not all four,
+    and only the last block's local allgather is left after the last byte crosses hosts."""
     grid, count, segments = GRIDS["4x2"], 8 * 1000, 5
     schedule = hierarchical.allreduce(0, grid, count, 4, 1000 * 4 // segments)
     assert schedule.segments == segments
+    labels = [step.label for step in schedule.steps]
+    assert labels == [
+        *["local reduce-scatter"] * 2,
+        "cross reduce-scatter",
+        "local reduce-scatter",
+        "cross reduce-scatter",
+        "local reduce-scatter",
+        "cross reduce-scatter",
+        *["cross allgather", "local allgather"] * 3,
+        "local allgather",
+    ]
     program = compile_program(schedule, LoopbackNetwork(8, 1).transport(0))
-    local_sends = program.sends[(1, 0)]  # rank 0's local peer: 4 reduce-scatter steps, then 4 allgather steps
-    head = [(s, k) for s, k, _key, _bits in local_sends[:8]]
-    assert head == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (3, 1)]
-    tail = [(s, k) for s, k, _key, _bits in local_sends[-4:]]
-    assert tail == [(10, 4), (11, 4), (12, 4), (13, 4)]
-    assert program.after[:5] == (0, 0, 0, 0, 4) and program.after[-4:] == (10, 10, 10, 10)
-    cross = [(s, k) for s, k, _key, _bits in program.sends[(2, 0)]]
-    assert cross == sorted(cross)  # dependent steps stay step by step
+    assert program.after == (0, 0, 2, 2, 4, 4, 6, 7, 7, 9, 9, 11, 11, 13)
+    cross = [step for step in schedule.steps if step.label.startswith("cross")]
+    local = [step for step in schedule.steps if step.label == "local reduce-scatter"]
+    # rank 0 is host 0: cross step s sends block h-s-1 and adds into h-s-2, the order of the local blocks
+    assert [step.recv.start for step in local] == [
+        grid_block_start(count, 4, 2, host, 0) for host in (3, 2, 1, 0)
+    ]
+    assert cross[0].send.start == local[0].recv.start and cross[0].reduce[0].start == local[1].recv.start
+    local_sends = program.sends[(1, 0)]  # rank 0's local peer
+    head = [(s, k) for s, k, _key, _bits in local_sends[:4]]
+    assert head == [(0, 0), (1, 0), (0, 1), (1, 1)]  # the first two blocks interleave segment by segment
+    assert [s for s, *_ in local_sends[-segments:]] == [13] * segments
+    assert [(s, k) for s, k, _key, _bits in program.sends[(2, 0)]] == sorted(
+        (s, k) for s, k, _key, _bits in program.sends[(2, 0)]
+    )  # dependent cross-host steps stay step by step
+
+
+def grid_block_start(count: int, hosts: int, local: int, host: int, column: int) -> int:
+    """Where block ``(host, column)`` starts: column ``column`` of a ``local``-way split, cut ``hosts`` ways."""
+    columns = chunk_bounds(count, local)
+    return columns[column][0] + chunk_bounds(columns[column][1], hosts)[host][0]
 
 
 def test_alongside_is_refused_where_it_cannot_hold() -> None:
