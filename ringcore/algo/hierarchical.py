@@ -43,23 +43,25 @@ Pipelining. A local step over a column is H steps, one per block, so every
 region of a schedule is a block: all are cut into the same number of
 segments, and segment ``k`` of a step depends only on segment ``k`` of earlier
 steps, which the pipelined executor needs (:mod:`ringcore.algo.steps`); the
-local steps pipeline with the cross-host ones. The local steps go block by
-block in the order the cross-host ring needs the blocks, each block's first
-round ``alongside`` the cross-host step before it (they touch disjoint
-blocks). Cross-host reduce-scatter step ``s`` sends block ``h-s-1`` and adds
-into block ``h-s-2``, so the first one waits for segment ``k`` of those two
-blocks only, the local connection carrying them segment by segment, and
-the other blocks are reduced inside the host while the link carries the
-first. The allgather walks back: block ``h`` is whole before the first
-cross-host step, block ``h-t-1`` after step ``t``, so each is spread inside
-the host beside the next cross-host step, and only the last block's local
-rounds follow the last cross-host byte. Measured (``bench/HISTORY.md``, "The
-hierarchical allreduce's local blocks beside the link", 4 hosts x 2 on 1
-Gbit/s links): 64 MiB 0.97-0.98x the time of all H local steps side by side
-before the first cross-host step and after the last; run block after block
-instead of either, a host's link sat idle while it reduced (or spread) H-1
-whole blocks at the start (and the end) of every slice: 25-45 ms of a 64 MiB
-allreduce.
+local steps pipeline with the cross-host ones. Cross-host reduce-scatter step
+``s`` sends block ``h-s-1`` and adds into block ``h-s-2``, and a block is whole
+inside the host after its last local round, so those rounds go block by
+block in that order, each just before the cross-host step that first needs
+its block and ``alongside`` the one before (they touch disjoint blocks); the
+rounds before the last (L of 3 or more) go first, every block side by side.
+The first cross-host step waits for segment ``k`` of two blocks, which the
+local connection carries segment by segment, and the other blocks are
+reduced inside the host while the link carries the first; no local round
+that a cross-host step waits for waits for the cross-host step before. The
+allgather walks back: block ``h`` is whole before the first cross-host step,
+block ``h-t-1`` after step ``t``, so each block's first local round runs beside
+the next cross-host step, and only the last block's first round (with the
+later rounds, L of 3 or more) follows the last cross-host byte. Measured
+(``bench/HISTORY.md``, "Another host", 4 hosts x 2 on 1 Gbit/s links): 64 MiB
+0.97-0.98x the time of every block's local rounds side by side before the
+first cross-host step and after the last. Run block after block instead, a
+host's link sat idle while it reduced (or spread) H-1 whole blocks at the
+start (and the end) of every slice: 25-45 ms of a 64 MiB allreduce.
 
 Out of place, the local reduce-scatter and the cross-host allgather receive
 into the same WORK blocks; the executor posts receives route by route in the
@@ -136,16 +138,22 @@ def reduce_scatter_steps(walk: _Walk, commit: bool = False) -> None:
     """Steps after which this rank holds its block (of USER, reduced over every rank) in WORK (USER: ``commit``).
 
     Cross-host step ``s`` sends block ``h-s-1`` of this rank's column and adds
-    into block ``h-s-2``, so the local rounds go block by block in that order,
-    each block's just before the cross-host step that first needs it, its
-    first round alongside the cross-host step before ("Pipelining", module docstring).
+    into block ``h-s-2``. A block is whole inside the host after its last local
+    round, so those go in that order, each just before the cross-host step that
+    first needs its block and alongside the one before; the rounds before the
+    last (L of 3 or more) go first, every block side by side ("Pipelining",
+    module docstring).
     """
-    h = walk.host
-    _local_rounds(walk, h - 1, first_alongside=False)  # 1. inside the host: what cross step 0 sends...
-    _local_rounds(walk, h - 2, first_alongside=True)  # ...and adds into
-    for s in range(walk.hosts - 1):  # 2. this rank's column across hosts
+    h, last = walk.host, walk.local - 2
+    order = [h - s - 1 for s in range(walk.hosts)]  # the blocks as the cross-host steps need them
+    for r in range(last):
+        for i, j in enumerate(order):
+            _local_round(walk, j, r, alongside=i > 0)
+    _local_round(walk, order[0], last, alongside=False)  # what cross-host step 0 sends...
+    _local_round(walk, order[1], last, alongside=True)  # ...and adds into
+    for s in range(walk.hosts - 1):  # this rank's column across hosts
         if s > 0:
-            _local_rounds(walk, h - s - 2, first_alongside=True)
+            _local_round(walk, order[s + 1], last, alongside=True)
         sent, got = h - s - 1, h - s - 2
         own = walk.block(Buf.WORK, got, walk.me)
         arrived = walk.block(Buf.STAGE, got, walk.me)
@@ -164,37 +172,36 @@ def reduce_scatter_steps(walk: _Walk, commit: bool = False) -> None:
         )
 
 
-def _local_rounds(walk: _Walk, j: int, first_alongside: bool) -> None:
-    """The local reduce-scatter of block row ``j``: L-1 rounds; afterwards this rank's block ``(j, me)``
-    of WORK is summed over its host. Rounds after the first read what the one before received."""
-    me = walk.me
-    for s in range(walk.local - 1):
-        sent, got = me - s - 1, me - s - 2
-        partial = walk.block(Buf.WORK, j, got)
-        walk.steps.append(
-            Step(
-                walk.right,
-                walk.block(Buf.USER if s == 0 else Buf.WORK, j, sent),
-                walk.left,
-                partial,
-                reduce=(partial, partial, walk.block(Buf.USER, j, got)),
-                phase=len(walk.steps),
-                label="local reduce-scatter",
-                alongside=first_alongside and s == 0,
-            )
+def _local_round(walk: _Walk, j: int, r: int, alongside: bool) -> None:
+    """Round ``r`` of the local reduce-scatter of block row ``j``: after round L-2, this rank's block
+    ``(j, me)`` of WORK is summed over its host. A round after the first sends what the one before received."""
+    sent, got = walk.me - r - 1, walk.me - r - 2
+    partial = walk.block(Buf.WORK, j, got)
+    walk.steps.append(
+        Step(
+            walk.right,
+            walk.block(Buf.USER if r == 0 else Buf.WORK, j, sent),
+            walk.left,
+            partial,
+            reduce=(partial, partial, walk.block(Buf.USER, j, got)),
+            phase=len(walk.steps),
+            label="local reduce-scatter",
+            alongside=alongside,
         )
+    )
 
 
 def allgather_steps(walk: _Walk, buf: Buf = Buf.WORK) -> None:
     """Steps that spread every rank's block (in ``buf``) to every rank's ``buf``.
 
-    Block ``h`` is complete before the first cross-host step and block ``h-t-1``
-    after cross-host step ``t``, so each block's local rounds follow the step
-    that completes it, the first alongside the next cross-host step: only the
-    last block's local rounds are left after the last byte crosses hosts.
+    Block ``h`` is whole before the first cross-host step and block ``h-t-1``
+    after cross-host step ``t``, so each block's first local round follows the
+    step that completes it, alongside the next cross-host step: only the last
+    block's first round, and the later rounds (L of 3 or more, every block side
+    by side), are left after the last byte crosses hosts.
     """
     h, me = walk.host, walk.me
-    for t in range(walk.hosts - 1):  # the column across hosts, and the blocks inside the host as they come
+    for t in range(walk.hosts - 1):  # the column across hosts, each block spread as it comes
         walk.steps.append(
             Step(
                 walk.down,
@@ -205,25 +212,26 @@ def allgather_steps(walk: _Walk, buf: Buf = Buf.WORK) -> None:
                 label="cross allgather",
             )
         )
-        _spread(walk, buf, h - t, first_alongside=True)
-    _spread(walk, buf, h - walk.hosts + 1, first_alongside=False)
+        _spread(walk, buf, h - t, 0, alongside=True)
+    _spread(walk, buf, h - walk.hosts + 1, 0, alongside=False)
+    for t in range(1, walk.local - 1):
+        for i in range(walk.hosts):
+            _spread(walk, buf, h - i, t, alongside=i > 0)
 
 
-def _spread(walk: _Walk, buf: Buf, j: int, first_alongside: bool) -> None:
-    """The local allgather of block row ``j``: L-1 rounds spreading the host's columns of it."""
-    me = walk.me
-    for t in range(walk.local - 1):
-        walk.steps.append(
-            Step(
-                walk.right,
-                walk.block(buf, j, me - t),
-                walk.left,
-                walk.block(buf, j, me - t - 1),
-                phase=len(walk.steps),
-                label="local allgather",
-                alongside=first_alongside and t == 0,
-            )
+def _spread(walk: _Walk, buf: Buf, j: int, t: int, alongside: bool) -> None:
+    """Round ``t`` of the local allgather of block row ``j``: pass on the column received the round before."""
+    walk.steps.append(
+        Step(
+            walk.right,
+            walk.block(buf, j, walk.me - t),
+            walk.left,
+            walk.block(buf, j, walk.me - t - 1),
+            phase=len(walk.steps),
+            label="local allgather",
+            alongside=alongside,
         )
+    )
 
 
 def _segments(blocks: Blocks, itemsize: int, segment_bytes: int) -> int:

@@ -36,6 +36,7 @@ GRIDS = {
     "2x3": ((0, 1, 2), (3, 4, 5)),
     "3x2 interleaved": ((0, 3), (1, 4), (2, 5)),
     "2x4 shuffled": ((5, 0, 7, 2), (1, 6, 3, 4)),
+    "3x3": ((0, 1, 2), (3, 4, 5), (6, 7, 8)),
 }
 
 
@@ -120,7 +121,7 @@ def run_pipelined(grid: Grid, inputs: list[np.ndarray], segment_bytes: int, **op
     return run_ranks(size, body, channels=2)
 
 
-@pytest.mark.parametrize("name", ["4x2", "2x3", "2x4 shuffled"])
+@pytest.mark.parametrize("name", ["4x2", "2x3", "2x4 shuffled", "3x3"])
 @pytest.mark.parametrize("segment_bytes", [4, 64])
 def test_in_place_and_block_by_block_agree_bitwise_with_the_interleaved_route(
     name: str, segment_bytes: int
@@ -190,6 +191,22 @@ def test_local_rounds_go_block_by_block_beside_the_cross_host_steps() -> None:
     assert [(s, k) for s, k, _key, _bits in program.sends[(2, 0)]] == sorted(
         (s, k) for s, k, _key, _bits in program.sends[(2, 0)]
     )  # dependent cross-host steps stay step by step
+
+
+@pytest.mark.parametrize("name", sorted(GRIDS))
+def test_no_cross_host_step_waits_on_a_local_round_that_waits_on_the_one_before(name: str) -> None:
+    """Between two cross-host steps every local round runs alongside the first (L of 3 or more too),
+    so the cross-host chain never waits for a local transfer that waits for it."""
+    grid = GRIDS[name]
+    for rank in range(size_of(grid)):
+        for schedule in (
+            hierarchical.allreduce(rank, grid, 997, 4, 64),
+            hierarchical.allreduce(rank, grid, 997, 4, 64, True),
+        ):
+            after = waits_for(schedule.steps)
+            cross = [i for i, step in enumerate(schedule.steps) if step.label.startswith("cross")]
+            for before, nxt in itertools.pairwise(cross):
+                assert all(after[i] <= before for i in range(before + 1, nxt)), (rank, after)
 
 
 def grid_block_start(count: int, hosts: int, local: int, host: int, column: int) -> int:
