@@ -734,7 +734,9 @@ class ShmTransport:
         (``bench/HISTORY.md``, "The one-shot path flattened"). In order:
 
         - the post (``Mailbox.post``), a fence, and the doorbells of peers asleep on it;
-        - the look at TCP when it is due (``expect``'s);
+        - the look at TCP when it is due (``expect``'s), and only while a peer has yet to post:
+          a peer that posted may already have finished the collective and failed the next, and
+          its ABORT is heard in the next one, where it belongs (the waits too, ``_tcp_news``);
         - the posts polled for up to ``spin`` s (without a syscall for ``TIGHT_SPIN`` s,
           then with ``sched_yield``, at least once). The peers still to post are
           ``awaited``; ``progress`` waits for them (the caller's wait loop).
@@ -751,10 +753,12 @@ class ShmTransport:
             shm_ring.ring_bell(self.bells[peer])
         clock = time.perf_counter
         now = start = clock()
-        if self.unheard or now > self.next_liveness:
+        heads = mailbox.peer_heads[slot]
+        if (self.unheard or now > self.next_liveness) and any(head[0] != seq for head in heads):
+            # Only while a peer has yet to post: one that posted is alive and in this collective,
+            # and may have finished it and failed the next (its ABORT), which must not fail this one.
             self._start(wire.tag_seq(seq, 0), signature, nbytes)
             self._look_around(now)
-        heads = mailbox.peer_heads[slot]
         deadline, tight = start + self.spin, min(self.tight_spin, self.spin)
         yielded = False
         for head in heads:  # in order: a peer once seen posted is not polled again
@@ -901,6 +905,8 @@ class ShmTransport:
         ``_check_idle`` read them again before they judge a peer).
         """
         awaited = len(self.awaited)
+        if awaited and self._posts() and not self.awaited:
+            return True  # every post is in: news of a later collective waits for it (meet_posts)
         moved = self._progress_remote(0) if self._remote else False
         if not moved:
             if self._stale():

@@ -205,6 +205,44 @@ def barriers_then_a_mismatch(comm: Any, rounds: int) -> dict[str, Any]:
     return {"left": left, "error": None, "posts": posts}
 
 
+def last_poster_looks_late(comm: Any) -> dict[str, Any]:
+    """Rank 2 posts a barrier last and is slow to look at its TCP news; ranks 0 and 1 pass the barrier
+    and fail the next collective (an allreduce against a barrier), so their ABORT is already there."""
+    import time
+
+    transport = comm.ctx.transport
+    comm.barrier()
+    if comm.rank == 2:
+        time.sleep(0.2)  # the others wait in the barrier below
+        look = transport._look_around
+
+        def slow_look(now: float) -> None:
+            time.sleep(0.5)  # long past the others' failure in the next collective
+            look(now)
+
+        transport._look_around = slow_look
+        transport.next_liveness = 0.0  # the look is due at this rank's next post
+    try:
+        comm.barrier()
+    except ringcore.MismatchError as err:
+        return {"barrier": str(err)}
+    try:
+        comm.barrier() if comm.rank == 1 else comm.allreduce(np.ones(10, np.float32))
+    except ringcore.MismatchError as err:
+        return {"barrier": None, "next": str(err)}
+    return {"barrier": None, "next": None}
+
+
+@pytest.mark.timeout(90)
+def test_a_barrier_every_rank_posted_is_not_failed_by_the_next_collectives_abort() -> None:
+    """Every peer posted: the barrier holds, and the mismatch is every rank's error in the next collective."""
+    with Cluster(3, env={"RINGCORE_TIMEOUT": "10"}) as cluster:
+        reports = cluster.results(last_poster_looks_late)
+    assert [report["barrier"] for report in reports] == [None] * 3, reports  # rank 2's held too
+    for rank, report in enumerate(reports):  # and every rank was in the next collective
+        assert report["next"] and "rank 1 passed barrier" in report["next"], (rank, report)
+
+
 @pytest.mark.timeout(90)
 def test_barriers_hold_and_a_mismatch_names_the_barrier() -> None:
     """Clocks are per process, but one host's monotonic clock is shared: compare them directly."""
