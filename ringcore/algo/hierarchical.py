@@ -149,11 +149,9 @@ def reduce_scatter_steps(walk: _Walk, commit: bool = False) -> None:
     for r in range(last):
         for i, j in enumerate(order):
             _local_round(walk, j, r, alongside=i > 0)
-    _local_round(walk, order[0], last, alongside=False)  # what cross-host step 0 sends...
-    _local_round(walk, order[1], last, alongside=True)  # ...and adds into
+    _local_round(walk, order[0], last, alongside=False)  # what cross-host step 0 sends
     for s in range(walk.hosts - 1):  # this rank's column across hosts
-        if s > 0:
-            _local_round(walk, order[s + 1], last, alongside=True)
+        _local_round(walk, order[s + 1], last, alongside=True)  # the block step s adds into
         sent, got = h - s - 1, h - s - 2
         own = walk.block(Buf.WORK, got, walk.me)
         arrived = walk.block(Buf.STAGE, got, walk.me)
@@ -220,7 +218,8 @@ def allgather_steps(walk: _Walk, buf: Buf = Buf.WORK) -> None:
 
 
 def _spread(walk: _Walk, buf: Buf, j: int, t: int, alongside: bool) -> None:
-    """Round ``t`` of the local allgather of block row ``j``: pass on the column received the round before."""
+    """Round ``t`` of the local allgather of block row ``j``: pass on this rank's column (round 0), else
+    the one received the round before."""
     walk.steps.append(
         Step(
             walk.right,
