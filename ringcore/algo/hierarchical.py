@@ -63,6 +63,17 @@ first cross-host step and after the last. Run block after block instead, a
 host's link sat idle while it reduced (or spread) H-1 whole blocks at the
 start (and the end) of every slice: 25-45 ms of a 64 MiB allreduce.
 
+A block of two segments or more is cut with a ramp (``RAMP``,
+:func:`ringcore.algo.steps.segment_bounds`): its first two and last two
+segments are 1/16 and 1/4 of the others, so the first cross-host frame waits
+for a local round over 1/42 of a block, not half of it, and the last local
+round after the last cross-host byte is as short. Measured (``bench/HISTORY.md``,
+"A ramp of segments"), 4 hosts x 2, 64 MiB, alternated with equal segments:
+1 Gbit/s 875-885 ms against 891-897; 10 Gbit/s level (287-295 against
+290-296). A block of one segment (16 MiB at 4 x 2) stays whole: there a ramp
+gained 3% at 1 Gbit/s and cost 6% at 10 Gbit/s, where the Python per
+segment, not the link, is the limit.
+
 Out of place, the local reduce-scatter and the cross-host allgather receive
 into the same WORK blocks; the executor posts receives route by route in the
 order routes first appear, and step 0 is local, so the local receives are
@@ -233,8 +244,14 @@ def _spread(walk: _Walk, buf: Buf, j: int, t: int, alongside: bool) -> None:
     )
 
 
-def _segments(blocks: Blocks, itemsize: int, segment_bytes: int) -> int:
-    return segment_count(max(n for row in blocks for _, n in row), itemsize, segment_bytes)
+RAMP = 2  # short segments at each end of a block of two or more segments (see "Pipelining")
+
+
+def _schedule(walk: _Walk, result: Region, itemsize: int, segment_bytes: int) -> Schedule:
+    """``walk``'s steps as a schedule, its blocks cut into segments: with a ramp where a block spans two or more."""
+    segments = segment_count(max(n for row in walk.blocks for _, n in row), itemsize, segment_bytes)
+    ramp = RAMP if segments >= 2 else 0
+    return Schedule(tuple(walk.steps), segments + 2 * ramp, result, ramp=ramp)
 
 
 @functools.lru_cache(maxsize=256)
@@ -258,7 +275,7 @@ def allreduce(
     target = Buf.USER if in_place else Buf.WORK
     reduce_scatter_steps(walk, commit=in_place)
     allgather_steps(walk, target)
-    return Schedule(tuple(walk.steps), _segments(blocks, itemsize, segment_bytes), Region(target, 0, count))
+    return _schedule(walk, Region(target, 0, count), itemsize, segment_bytes)
 
 
 def _rank_blocks(grid: Grid, chunks: tuple[tuple[int, int], ...]) -> Blocks:
@@ -273,9 +290,7 @@ def reduce_scatter(
     blocks = _rank_blocks(grid, chunks)
     walk = _Walk(rank, grid, blocks)
     reduce_scatter_steps(walk)
-    return Schedule(
-        tuple(walk.steps), _segments(blocks, itemsize, segment_bytes), Region(Buf.WORK, *chunks[rank])
-    )
+    return _schedule(walk, Region(Buf.WORK, *chunks[rank]), itemsize, segment_bytes)
 
 
 @functools.lru_cache(maxsize=256)
@@ -287,7 +302,7 @@ def allgather(
     walk = _Walk(rank, grid, blocks)
     allgather_steps(walk)
     total = sum(n for _, n in chunks)
-    return Schedule(tuple(walk.steps), _segments(blocks, itemsize, segment_bytes), Region(Buf.WORK, 0, total))
+    return _schedule(walk, Region(Buf.WORK, 0, total), itemsize, segment_bytes)
 
 
 @functools.lru_cache(maxsize=256)

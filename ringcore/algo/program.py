@@ -141,7 +141,7 @@ def _compile(schedule: Schedule, transport: Transport) -> Program:
         for k in range(1) if step.whole else range(schedule.segments):
 
             def cut(region: Region, step: Step = step, k: int = k) -> Key:
-                return _key(region if step.whole else region.segment(k, schedule.segments))
+                return _key(region if step.whole else region.segment(k, schedule.segments, schedule.ramp))
 
             bits = wire.make_tag(0, step.phase, k)
             if step.send is not None:

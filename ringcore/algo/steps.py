@@ -3,7 +3,8 @@
 Words, as Gloo uses them: a *chunk* is the part of a buffer one rank is
 responsible for (N chunks, ``np.array_split`` boundaries); a *segment* is the
 pipelined piece of a region that travels as one frame. Every region of a
-schedule is cut into the same number of segments (``Schedule.segments``), so
+schedule is cut into the same number of segments (``Schedule.segments``, by
+one rule: :func:`segment_bounds`), so
 segment ``k`` of step ``s`` depends only on segment ``k`` of earlier steps and
 the executor can pipeline step ``s+1`` of segment ``k`` with step ``s`` of
 segment ``k+1``.
@@ -42,9 +43,9 @@ class Region:
     start: int
     count: int
 
-    def segment(self, k: int, segments: int) -> Region:
-        """Segment ``k`` of ``segments`` (``np.array_split`` rule: the first ones are longer)."""
-        start, count = split_bounds(self.count, segments, k)
+    def segment(self, k: int, segments: int, ramp: int = 0) -> Region:
+        """Segment ``k`` of ``segments`` (see :func:`segment_bounds`)."""
+        start, count = segment_bounds(self.count, segments, ramp, k)
         return Region(self.buf, self.start + start, count)
 
 
@@ -95,6 +96,7 @@ class Schedule:
     segments: int
     result: Region | None
     prefill_work: bool = False  # WORK must hold this rank's input (in the wire dtype) before the run
+    ramp: int = 0  # short segments at each end of every region (see segment_bounds)
 
     @functools.cached_property
     def buffers(self) -> set[Buf]:
@@ -115,6 +117,28 @@ def split_bounds(count: int, parts: int, index: int) -> tuple[int, int]:
     """``(start, length)`` of part ``index`` when ``count`` items are split into ``parts``."""
     base, extra = divmod(count, parts)
     return index * base + min(index, extra), base + (1 if index < extra else 0)
+
+
+def segment_bounds(count: int, segments: int, ramp: int, index: int) -> tuple[int, int]:
+    """``(start, length)`` of segment ``index`` of ``segments`` in a ``count``-element region.
+
+    Without a ramp, equal segments (``np.array_split`` rule: the first ones
+    are longer). With ``ramp`` r, the first r segments grow by fours up to
+    the others' length and the last r shrink the same way (r=2: 1/16 and
+    1/4 of a middle segment at each end). A schedule whose first hop waits
+    for work on segment 0 (the hierarchical allreduce: a local round before
+    the link can start) gets its links busy sooner, and one whose last
+    segment needs work after it arrives ends sooner; the segments in between
+    stay long, so their count, and the Python spent per segment, barely
+    grows. Regions of one length are always cut alike, so segment ``k`` of a
+    step still depends only on segment ``k`` of the steps before.
+    """
+    if not ramp:
+        return split_bounds(count, segments, index)
+    weights = [min(4**i, 4 ** (segments - 1 - i), 4**ramp) for i in range(segments)]
+    total, before = sum(weights), sum(weights[:index])
+    start = count * before // total
+    return start, count * (before + weights[index]) // total - start
 
 
 def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:

@@ -19,7 +19,7 @@ from ringcore.algo import hierarchical
 from ringcore.algo.execute import Executor
 from ringcore.algo.hierarchical import Grid
 from ringcore.algo.program import compile_program, waits_for
-from ringcore.algo.steps import Buf, Region, Step, chunk_bounds
+from ringcore.algo.steps import Buf, Region, Step, chunk_bounds, segment_bounds
 from ringcore.buffers import DTYPES
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
@@ -98,10 +98,12 @@ def run_pipelined(grid: Grid, inputs: list[np.ndarray], segment_bytes: int, **op
 
     ``options``: ``in_place`` (no backups, as ``slicing`` asks for it) and
     ``block_by_block`` (every step waits for the one before, as before
-    ``alongside``: the general route the interleaved local rounds must agree with).
+    ``alongside``: the general route the interleaved local rounds must agree with)
+    and ``even`` (equal segments, no ramp at the ends of a block).
     """
     size, count = size_of(grid), inputs[0].size
     in_place, block_by_block = options.get("in_place", False), options.get("block_by_block", False)
+    even = options.get("even", False)
 
     def body(rank: int, network) -> np.ndarray:
         reducer = Reducer(DTYPES[inputs[0].dtype.name], ReduceOp.SUM, Compression.NONE, size)
@@ -109,6 +111,8 @@ def run_pipelined(grid: Grid, inputs: list[np.ndarray], segment_bytes: int, **op
         if block_by_block:
             steps = tuple(dataclasses.replace(step, alongside=False) for step in schedule.steps)
             schedule = dataclasses.replace(schedule, steps=steps)
+        if even:
+            schedule = dataclasses.replace(schedule, segments=schedule.segments - 2 * schedule.ramp, ramp=0)
         user = inputs[rank].copy()
         arrays = scratch_arrays(schedule, user, reducer.wire_dtype)
         Executor(
@@ -126,14 +130,21 @@ def run_pipelined(grid: Grid, inputs: list[np.ndarray], segment_bytes: int, **op
 def test_in_place_and_block_by_block_agree_bitwise_with_the_interleaved_route(
     name: str, segment_bytes: int
 ) -> None:
-    """In place, the caller's buffer ends with the same bits; so does running local rounds block by block."""
+    """In place, the caller's buffer ends with the same bits; so does running local rounds block by block,
+    or cutting blocks into equal segments (no ramp)."""
     grid = GRIDS[name]
     inputs = [x.astype(np.float32) for x in inputs_for(grid, 203, "float64", seed=len(grid))]
     interleaved = run_pipelined(grid, inputs, segment_bytes)
     for got in interleaved:
         np.testing.assert_allclose(got, reference(inputs, ReduceOp.SUM), rtol=1e-5, atol=1e-5)
         assert got.tobytes() == interleaved[0].tobytes()
-    for options in ({"in_place": True}, {"block_by_block": True}, {"in_place": True, "block_by_block": True}):
+    for options in (
+        {"in_place": True},
+        {"block_by_block": True},
+        {"in_place": True, "block_by_block": True},
+        {"even": True},
+        {"in_place": True, "even": True},
+    ):
         for got in run_pipelined(grid, inputs, segment_bytes, **options):
             assert got.tobytes() == interleaved[0].tobytes(), options
 
@@ -161,9 +172,10 @@ def test_local_rounds_go_block_by_block_beside_the_cross_host_steps() -> None:
     """Each block's local rounds come just before the cross-host step that first needs it and run
     alongside the one before; the first cross-host step waits for two blocks' segment k, not all four,
     and only the last block's local allgather is left after the last byte crosses hosts."""
-    grid, count, segments = GRIDS["4x2"], 8 * 1000, 5
-    schedule = hierarchical.allreduce(0, grid, count, 4, 1000 * 4 // segments)
-    assert schedule.segments == segments
+    grid, count, full = GRIDS["4x2"], 8 * 1000, 5
+    schedule = hierarchical.allreduce(0, grid, count, 4, 1000 * 4 // full)
+    segments = full + 2 * hierarchical.RAMP  # short ones at each end of a block (see the ramp's test)
+    assert (schedule.segments, schedule.ramp) == (segments, hierarchical.RAMP)
     labels = [step.label for step in schedule.steps]
     assert labels == [
         *["local reduce-scatter"] * 2,
@@ -191,6 +203,40 @@ def test_local_rounds_go_block_by_block_beside_the_cross_host_steps() -> None:
     assert [(s, k) for s, k, _key, _bits in program.sends[(2, 0)]] == sorted(
         (s, k) for s, k, _key, _bits in program.sends[(2, 0)]
     )  # dependent cross-host steps stay step by step
+
+
+def test_blocks_of_two_segments_or_more_ramp_up_and_down() -> None:
+    """The first and last two segments of every block are 1/16 and 1/4 of the others, every block is
+    cut alike, and a block of one segment stays whole (no extra frames where there is no pipeline)."""
+    grid, count = GRIDS["4x2"], 8 * 4200
+    schedule = hierarchical.allreduce(
+        0, grid, count, 4, 4200 * 4 // 2
+    )  # two segments per block, then the ramp
+    assert (schedule.segments, schedule.ramp) == (6, 2)
+    program = compile_program(schedule, LoopbackNetwork(8, 1).transport(0))
+    for route in program.sends:
+        by_step: dict[int, list[int]] = {}
+        for s, _k, key, _bits in program.sends[route]:
+            by_step.setdefault(s, []).append(key[2] - key[1])
+        for lengths in by_step.values():
+            assert lengths == [100, 400, 1600, 1600, 400, 100]
+    whole = hierarchical.allreduce(0, grid, count, 4, 4200 * 4)
+    assert (whole.segments, whole.ramp) == (1, 0)
+
+
+@pytest.mark.parametrize("count", [0, 1, 5, 41, 42, 1000, 4097])
+@pytest.mark.parametrize("segments", [1, 2, 5, 6, 9])
+def test_segment_cuts_tile_the_region(count: int, segments: int) -> None:
+    """With or without a ramp, the segments tile the region in order; without one they are array_split's."""
+    for ramp in (0, 1, 2):
+        cuts = [segment_bounds(count, segments, ramp, k) for k in range(segments)]
+        assert [start for start, _ in cuts] == list(
+            itertools.accumulate([0] + [n for _, n in cuts[:-1]])
+        ) and sum(n for _, n in cuts) == count
+        if ramp == 0:
+            assert [n for _, n in cuts] == [len(part) for part in np.array_split(np.arange(count), segments)]
+        elif segments > 2 * ramp and count >= 42 * segments:
+            assert cuts[0][1] < cuts[ramp][1] and cuts[-1][1] < cuts[-1 - ramp][1]
 
 
 @pytest.mark.parametrize("name", sorted(GRIDS))
