@@ -66,8 +66,9 @@ start (and the end) of every slice: 25-45 ms of a 64 MiB allreduce.
 A block of two segments or more is cut with a ramp (``RAMP``,
 :func:`ringcore.algo.steps.segment_bounds`): its first two and last two
 segments are 1/16 and 1/4 of the others, so the first cross-host frame waits
-for a local round over 1/42 of a block, not half of it, and the last local
-round after the last cross-host byte is as short. Measured (``bench/HISTORY.md``,
+for a local round over 1/42 of a block of two full segments (a 32 MiB slice
+at 4 x 2), not half of it, and the last local round after the last
+cross-host byte is as short. Measured (``bench/HISTORY.md``,
 "A ramp of segments"), 4 hosts x 2, 64 MiB, alternated with equal segments:
 1 Gbit/s 875-885 ms against 891-897; 10 Gbit/s level (287-295 against
 290-296). A block of one segment (16 MiB at 4 x 2) stays whole: there a ramp

@@ -124,21 +124,32 @@ def segment_bounds(count: int, segments: int, ramp: int, index: int) -> tuple[in
 
     Without a ramp, equal segments (``np.array_split`` rule: the first ones
     are longer). With ``ramp`` r, the first r segments grow by fours up to
-    the others' length and the last r shrink the same way (r=2: 1/16 and
-    1/4 of a middle segment at each end). A schedule whose first hop waits
-    for work on segment 0 (the hierarchical allreduce: a local round before
-    the link can start) gets its links busy sooner, and one whose last
-    segment needs work after it arrives ends sooner; the segments in between
-    stay long, so their count, and the Python spent per segment, barely
-    grows. Regions of one length are always cut alike, so segment ``k`` of a
-    step still depends only on segment ``k`` of the steps before.
+    the others' length and the last r shrink the same way (r=2, five
+    segments or more: 1/16 and 1/4 of a middle segment at each end). A
+    schedule whose first hop waits for work on segment 0 (the hierarchical
+    allreduce: a local round before the link can start) gets its links busy
+    sooner, and one whose last segment needs work after it arrives ends
+    sooner; the segments in between stay long, so a region gets 2r more
+    segments where equal short ones would multiply their number (and the
+    Python spent per segment). Regions of one length are always cut alike,
+    so segment ``k`` of a step still depends only on segment ``k`` of the
+    steps before.
     """
     if not ramp:
         return split_bounds(count, segments, index)
-    weights = [min(4**i, 4 ** (segments - 1 - i), 4**ramp) for i in range(segments)]
-    total, before = sum(weights), sum(weights[:index])
-    start = count * before // total
-    return start, count * (before + weights[index]) // total - start
+    total = _ramp_weight_before(segments, segments, ramp)
+    start = count * _ramp_weight_before(index, segments, ramp) // total
+    return start, count * _ramp_weight_before(index + 1, segments, ramp) // total - start
+
+
+def _ramp_weight_before(index: int, segments: int, ramp: int) -> int:
+    """The summed weights of segments ``[0, index)``; segment ``i`` weighs ``4 ** min(i, segments-1-i, ramp)``."""
+    if segments <= 2 * ramp:  # short: ends that meet
+        return sum(4 ** min(i, segments - 1 - i, ramp) for i in range(index))
+    head = min(index, ramp)
+    middle = max(0, min(index, segments - ramp) - ramp)
+    tail = max(0, index - (segments - ramp))  # of the last ramp segments, weights 4**(ramp-1) down
+    return (4**head - 1) // 3 + middle * 4**ramp + (4**ramp - 4 ** (ramp - tail)) // 3
 
 
 def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:

@@ -225,7 +225,7 @@ def test_blocks_of_two_segments_or_more_ramp_up_and_down() -> None:
 
 
 @pytest.mark.parametrize("count", [0, 1, 5, 41, 42, 1000, 4097])
-@pytest.mark.parametrize("segments", [1, 2, 5, 6, 9])
+@pytest.mark.parametrize("segments", [1, 2, 5, 6, 9, 3000])
 def test_segment_cuts_tile_the_region(count: int, segments: int) -> None:
     """With or without a ramp, the segments tile the region in order; without one they are array_split's."""
     for ramp in (0, 1, 2):
