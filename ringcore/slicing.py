@@ -4,7 +4,7 @@ Large buffers. Scratch (WORK, STAGE) is as long as what one schedule
 reduces, so an allreduce or broadcast of more than ``RINGCORE_SLICE_BYTES``
 runs as a sequence of complete collectives over equal slices
 (:func:`slice_bounds`, tags numbered by slice), which bounds scratch memory
-by the slice. Host and GPU plans (:mod:`ringcore.plans`,
+by the slice (an allreduce's slice: :func:`allreduce_slice_bytes`). Host and GPU plans (:mod:`ringcore.plans`,
 :mod:`ringcore.plans.device`) take the same slices and the same schedule for
 each (:func:`allreduce_schedule`), so host and GPU ranks share a ring at
 every size. A failure in slice k leaves the slices before it reduced and
@@ -101,6 +101,31 @@ def gather_schedule(ctx: Context, kind: str, chunks: tuple[tuple[int, int], ...]
         return make(ctx.rank, ctx.grid, chunks, itemsize, segment_bytes)  # type: ignore[arg-type]
     make = ring.allgather if kind == "allgather" else ring.reduce_scatter
     return make(ctx.rank, ctx.size, chunks, itemsize, segment_bytes)
+
+
+def allreduce_slice_bytes(ctx: Context, in_place: bool) -> int:
+    """Wire bytes per slice of an allreduce (``in_place``: WORK in the caller's dtype); equal on every rank.
+
+    ``ctx.allreduce_slice_bytes`` bounds the scratch a slice touches. The
+    hierarchical allreduce in place touches (L-1)/L of its slice (STAGE for
+    this rank's column, WORK for the local rounds before the last; L ranks a
+    host), so its slices are L/(L-1) times as long for the same bound: at 2
+    ranks a host a 64 MiB allreduce is one slice, not two, and no host's link
+    idles at a slice's end while the one before it drains (``bench/HISTORY.md``,
+    "Half the hierarchical scratch"). ``RINGCORE_SLICE_BYTES`` is taken as set.
+    """
+    settings = ctx.settings
+    bound = ctx.allreduce_slice_bytes
+    if (
+        settings.slice_bytes is None
+        and in_place
+        and not settings.atomic
+        and settings.hierarchical
+        and hierarchical.applies(ctx.grid)
+    ):
+        local = len(ctx.grid[0])  # type: ignore[index]
+        return bound * local // (local - 1)
+    return bound
 
 
 def slice_bounds(count: int, slice_bytes: int, wire_itemsize: int) -> list[tuple[int, int]]:

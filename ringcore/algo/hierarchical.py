@@ -84,16 +84,28 @@ STAGE holds only this rank's column, packed, so the pages it touches are
 ``1/L`` of the buffer. Every element's final value is computed by one rank
 and copied to the others, so all ranks end bit-identical.
 
-In place (``allreduce(in_place=True)``: WORK in the caller's dtype), the last
-cross-host reduce writes the caller's buffer (a ``commit``) and both
-allgathers receive into it, so no copy of the whole buffer follows the last
-byte (10-27 ms of a 64 MiB allreduce on a crowded host). A frame for a region
-of the caller's buffer exists only once what this rank read from that region
-has gone round (every block's final value includes this rank's share), so a
-receive posted ahead cannot land before the region is read. That needs no
-backups: with ``RINGCORE_ATOMIC=1`` the executor would save the caller's
-values into WORK, where this schedule still keeps partial sums, so the
-atomic form runs out of place.
+In place (``allreduce(in_place=True)``: no compression, no backups), the
+sums go straight into the caller's buffer: the last local round and every
+cross-host step add the frame that landed in STAGE into USER, and both
+allgathers receive into USER, so no copy of the whole buffer follows the last
+byte (10-27 ms of a 64 MiB allreduce on a crowded host). A block's local frame
+and its cross-host frame land in the same STAGE block, cut alike: the
+executor posts every local receive first (step 0 is local) and holds the
+cross-host receive of a segment until the local one's combine has read it.
+A frame for a region of the caller's buffer exists only once what this rank
+read from that region has gone round (every block's final value includes
+this rank's share), so a receive posted ahead cannot land before the region
+is read. *Scratch*: STAGE, this rank's column (1/L of the buffer), plus WORK
+for the local rounds before the last (L of 3 or more: (L-2)/L), so in place
+the allreduce's slices are L/(L-1) times as long for the same scratch bound
+(:func:`ringcore.slicing.allreduce_slice_bytes`): a 64 MiB allreduce at 2
+ranks a host is one slice. Measured (``bench/HISTORY.md``, "Half the
+hierarchical scratch"), 4 hosts x 2, alternated with the WORK form and two
+slices: 1 Gbit/s 64 MiB 875-887 ms against 882-900; 10 Gbit/s 16 MiB 60-67
+against 66-72, 64 MiB 285-291 against 286-317. That needs no backups: with
+``RINGCORE_ATOMIC=1`` the executor would save the caller's values into WORK,
+so the atomic form runs out of place (WORK for every sum, 1 + 1/L of the
+buffer touched).
 
 Where it is used: :func:`ringcore.slicing.allreduce_schedule` and the gather
 and broadcast plans, on a grid from :mod:`ringcore.placement`.
@@ -146,54 +158,59 @@ class _Walk:
         return Region(buf, self.stage[host] if buf == Buf.STAGE else start, count)
 
 
-def reduce_scatter_steps(walk: _Walk, commit: bool = False) -> None:
-    """Steps after which this rank holds its block (of USER, reduced over every rank) in WORK (USER: ``commit``).
+def reduce_scatter_steps(walk: _Walk, in_place: bool = False) -> None:
+    """Steps after which this rank holds its block (of USER, reduced over every rank) in WORK (USER ``in_place``).
 
     Cross-host step ``s`` sends block ``h-s-1`` of this rank's column and adds
     into block ``h-s-2``. A block is whole inside the host after its last local
     round, so those go in that order, each just before the cross-host step that
     first needs its block and alongside the one before; the rounds before the
     last (L of 3 or more) go first, every block side by side ("Pipelining",
-    module docstring).
+    module docstring). In place, the last local round and the cross-host steps
+    sum into the caller's buffer, each frame landing in STAGE (module
+    docstring, "In place").
     """
     h, last = walk.host, walk.local - 2
+    sums = Buf.USER if in_place else Buf.WORK
     order = [h - s - 1 for s in range(walk.hosts)]  # the blocks as the cross-host steps need them
     for r in range(last):
         for i, j in enumerate(order):
             _local_round(walk, j, r, alongside=i > 0)
-    _local_round(walk, order[0], last, alongside=False)  # what cross-host step 0 sends
+    _local_round(walk, order[0], last, alongside=False, into=sums)  # what cross-host step 0 sends
     for s in range(walk.hosts - 1):  # this rank's column across hosts
-        _local_round(walk, order[s + 1], last, alongside=True)  # the block step s adds into
+        _local_round(walk, order[s + 1], last, alongside=True, into=sums)  # the block step s adds into
         sent, got = h - s - 1, h - s - 2
-        own = walk.block(Buf.WORK, got, walk.me)
+        own = walk.block(sums, got, walk.me)
         arrived = walk.block(Buf.STAGE, got, walk.me)
         walk.steps.append(
             Step(
                 walk.down,
-                walk.block(Buf.WORK, sent, walk.me),
+                walk.block(sums, sent, walk.me),
                 walk.up,
                 arrived,
                 reduce=(own, arrived, own),
                 final=s == walk.hosts - 2,
                 phase=len(walk.steps),
                 label="cross reduce-scatter",
-                commit=commit and s == walk.hosts - 2,
             )
         )
 
 
-def _local_round(walk: _Walk, j: int, r: int, alongside: bool) -> None:
+def _local_round(walk: _Walk, j: int, r: int, alongside: bool, into: Buf = Buf.WORK) -> None:
     """Round ``r`` of the local reduce-scatter of block row ``j``: after round L-2, this rank's block
-    ``(j, me)`` of WORK is summed over its host. A round after the first sends what the one before received."""
+    ``(j, me)`` is summed over its host, in ``into``. A round after the first sends what the one before
+    received. Into USER (the last round, in place), the frame lands in STAGE and the sum goes to USER."""
     sent, got = walk.me - r - 1, walk.me - r - 2
-    partial = walk.block(Buf.WORK, j, got)
+    mine = walk.block(Buf.USER, j, got)
+    partial = walk.block(Buf.WORK, j, got) if into == Buf.WORK else mine
+    arrived = walk.block(Buf.STAGE, j, got) if into == Buf.USER else partial
     walk.steps.append(
         Step(
             walk.right,
             walk.block(Buf.USER if r == 0 else Buf.WORK, j, sent),
             walk.left,
-            partial,
-            reduce=(partial, partial, walk.block(Buf.USER, j, got)),
+            arrived,
+            reduce=(partial, arrived, mine),
             phase=len(walk.steps),
             label="local reduce-scatter",
             alongside=alongside,
@@ -261,10 +278,10 @@ def allreduce(
 ) -> Schedule:
     """Hierarchical allreduce of ``count`` elements over ``grid``; the result is all of WORK, or USER ``in_place``.
 
-    In place (WORK in the caller's dtype, no backups: see the module
-    docstring), the last cross-host reduce writes the caller's buffer and both
-    allgathers receive straight into it, so no copy of the whole buffer
-    follows the last byte.
+    In place (no compression, no backups: see the module docstring), the
+    last local round and the cross-host steps sum into the caller's buffer
+    and both allgathers receive straight into it: no copy of the whole buffer
+    follows the last byte, and scratch is STAGE (WORK only for L of 3 or more).
     """
     hosts, local = len(grid), len(grid[0])
     columns = chunk_bounds(count, local)
@@ -274,7 +291,7 @@ def allreduce(
     )
     walk = _Walk(rank, grid, blocks)
     target = Buf.USER if in_place else Buf.WORK
-    reduce_scatter_steps(walk, commit=in_place)
+    reduce_scatter_steps(walk, in_place)
     allgather_steps(walk, target)
     return _schedule(walk, Region(target, 0, count), itemsize, segment_bytes)
 

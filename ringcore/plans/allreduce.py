@@ -74,7 +74,14 @@ from ringcore.ops import Compression, ReduceOp
 from ringcore.plans.base import run_steps
 from ringcore.plans.direct import route_for
 from ringcore.plans.validate import check_allreduce
-from ringcore.slicing import allreduce_schedule, buffer_slices, note_failure, slice_bounds, writes_user
+from ringcore.slicing import (
+    allreduce_schedule,
+    allreduce_slice_bytes,
+    buffer_slices,
+    note_failure,
+    slice_bounds,
+    writes_user,
+)
 
 if TYPE_CHECKING:
     from ringcore.context import Context
@@ -167,7 +174,7 @@ class AllreducePlan:
         if reducer.wire_dtype != self.dtype.storage:  # not in place: compression
             return False
         itemsize = reducer.wire_dtype.itemsize
-        bounds = slice_bounds(self.count, ctx.allreduce_slice_bytes, itemsize)
+        bounds = slice_bounds(self.count, allreduce_slice_bytes(ctx, True), itemsize)
         pieces = []
         for start, count in bounds:
             schedule = allreduce_schedule(ctx, count, itemsize, True, sliced=len(bounds) > 1)
@@ -235,7 +242,7 @@ class AllreducePlan:
             return
         reducer = ctx.reducer(buffer.dtype, self.op, self.compression)
         in_place = reducer.wire_dtype == buffer.dtype.storage
-        pieces = buffer_slices(buffer, ctx.allreduce_slice_bytes, reducer.wire_dtype.itemsize)
+        pieces = buffer_slices(buffer, allreduce_slice_bytes(ctx, in_place), reducer.wire_dtype.itemsize)
         for part, (start, piece) in enumerate(pieces):
             schedule = allreduce_schedule(
                 ctx, piece.count, reducer.wire_dtype.itemsize, in_place, sliced=len(pieces) > 1

@@ -20,6 +20,7 @@ from ringcore.descriptor import Descriptor
 from ringcore.ops import Compression, ReduceOp
 from ringcore.slicing import (
     allreduce_schedule,
+    allreduce_slice_bytes,
     broadcast_schedule,
     failure_note,
     note_failure,
@@ -45,7 +46,7 @@ def allreduce(ctx: Context, desc: Descriptor, buffer: Buffer, op: ReduceOp, comp
         reducer = dev.reducer(buffer.dtype, op, comp)
         in_place = reducer.wire_dtype == buffer.dtype.storage
         itemsize = reducer.wire_dtype.itemsize
-        bounds = slice_bounds(buffer.count, ctx.allreduce_slice_bytes, itemsize)
+        bounds = slice_bounds(buffer.count, allreduce_slice_bytes(ctx, in_place), itemsize)
         for part, (start, count) in enumerate(bounds):
             piece = user[start : start + count]
             schedule = allreduce_schedule(ctx, count, itemsize, in_place, sliced=len(bounds) > 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import types
 
 import numpy as np
 import pytest
@@ -21,9 +22,11 @@ from ringcore.algo.hierarchical import Grid
 from ringcore.algo.program import compile_program, waits_for
 from ringcore.algo.steps import Buf, Region, Step, chunk_bounds, segment_bounds
 from ringcore.buffers import DTYPES
+from ringcore.config import SCRATCH_SLICE_BYTES, Settings
 from ringcore.kernels.numpy_ops import Reducer
 from ringcore.ops import Compression, ReduceOp
 from ringcore.placement import host_grid, place
+from ringcore.slicing import allreduce_slice_bytes
 from ringcore.transport.loopback import LoopbackNetwork
 from tests import simulate
 from tests.unit.test_executor import RUN_TIMEOUT, SIGNATURE, execute, reference, run_ranks, scratch_arrays
@@ -457,3 +460,23 @@ def test_the_barrier_runs_over_the_loopback_transport(name: str) -> None:
         lambda rank: hierarchical.barrier(rank, grid),
         lambda rank, schedule: {Buf.WORK: np.empty(0, np.uint8)},
     )
+
+
+def test_in_place_the_scratch_is_stage_and_the_slices_grow_to_fill_the_same_bound() -> None:
+    """In place at 2 ranks a host the allreduce touches only STAGE (half a slice), so its slices are
+    twice as long; with L ranks a host, L/(L-1). Out of place, compressed or atomic: the bound as is."""
+    for grid, scratch, factor in (
+        (GRIDS["4x2"], (Buf.STAGE,), 2),
+        (GRIDS["3x3"], (Buf.WORK, Buf.STAGE), 1.5),
+    ):
+        assert hierarchical.allreduce(0, grid, 6000, 4, 1024, True).scratch == scratch
+        assert hierarchical.allreduce(0, grid, 6000, 4, 1024).scratch == (Buf.WORK, Buf.STAGE)
+        settings = Settings()
+        ctx = types.SimpleNamespace(settings=settings, grid=grid, allreduce_slice_bytes=SCRATCH_SLICE_BYTES)
+        assert allreduce_slice_bytes(ctx, True) == SCRATCH_SLICE_BYTES * factor
+        assert allreduce_slice_bytes(ctx, False) == SCRATCH_SLICE_BYTES
+        for changed in ({"atomic": True}, {"hierarchical": False}, {"slice_bytes": 8 << 20}):
+            ctx.settings = dataclasses.replace(settings, **changed)
+            assert allreduce_slice_bytes(ctx, True) == SCRATCH_SLICE_BYTES, changed
+        ctx.settings, ctx.grid = settings, None
+        assert allreduce_slice_bytes(ctx, True) == SCRATCH_SLICE_BYTES
