@@ -13,7 +13,10 @@ as soon as it is allowed:
   their group (``after[s]``);
 * a receive waits until no pending send reads, and no pending receive or
   combine uses, the region it writes (a region sent at step s and received
-  into at step s+N is safe);
+  into at step s+N is safe), and until the last earlier step that received
+  into the same region has combined it (``Program.landing``), whichever
+  connection gets its turn first (a GPU rank's staging slots run out per
+  connection);
 * a combine of segment k at step s waits until segment k of every earlier
   step is done, and until no pending send still reads the region it writes:
   receives are posted ahead, so a frame can arrive before an earlier step has
@@ -143,6 +146,7 @@ class Executor:
         self.step_done = [row[:] for row in program.step_done]
         self.done_upto = program.done_upto[:]
         self.after = program.after
+        self.landing = program.landing
         self.saved: list[Key] = []  # USER regions whose old values wait in WORK
         self.sending: dict[Key, int] = {}
         self.receiving: set[Key] = set()
@@ -201,17 +205,27 @@ class Executor:
             return min(self.done_upto) >= s
         return self.done_upto[k] >= self.after[s]
 
-    def _recv_ready(self, s: int, key: Key) -> bool:
-        """Whether step ``s``'s receive into ``key`` may be posted now.
+    def _recv_ready(self, s: int, k: int, key: Key) -> bool:
+        """Whether step ``s``'s receive of segment ``k`` into ``key`` may be posted now.
 
         A whole step posts a non-empty receive, like its send, once every
         earlier step is done: its region may then overlap earlier steps'
         regions (halving-doubling's nested halves) without data landing, or
         being combined, out of order. Empty receives (acknowledgements,
         barrier rounds) have nothing to order and are posted at once, so RDMA
-        announces them early.
+        announces them early. A receive into the region an earlier step
+        received into waits until that step's segment is combined
+        (``Program.landing``: the in-place hierarchical allreduce lands a
+        block's local and cross-host frames in one STAGE block), whatever the
+        order in which connections get their turn (a GPU rank's run out of
+        staging slots on one).
         """
-        return key[1] == key[2] or not self.steps[s].whole or min(self.done_upto) >= s
+        if key[1] == key[2]:
+            return True
+        if self.steps[s].whole:
+            return min(self.done_upto) >= s
+        before = self.landing.get((s, k))
+        return before is None or self.step_done[before][k]
 
     def _post_sends(self) -> bool:
         posted = False
@@ -237,7 +251,7 @@ class Executor:
         for route, queue in self.recv_queues.items():
             while queue:
                 s, k, key, bits = queue[0]
-                if not self._recv_ready(s, key):
+                if not self._recv_ready(s, k, key):
                     break
                 if key[1] < key[2] and (key in self.sending or key in self.receiving):
                     break  # an empty region conflicts with nothing

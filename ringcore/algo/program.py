@@ -66,6 +66,7 @@ class Program:
     sends_user: bool  # some step sends straight from USER (needs WORK in the same dtype)
     touches_user: bool  # some step sends from, receives into or reduces USER
     early: tuple[int, ...]  # lockstep: steps whose (empty) receive is posted before the first step
+    landing: dict[Item, int]  # (step, segment) -> the earlier step whose receive into that region must be done
 
 
 _programs: weakref.WeakKeyDictionary[object, dict[int, tuple[Schedule, Program]]] = (
@@ -136,6 +137,8 @@ def _compile(schedule: Schedule, transport: Transport) -> Program:
     sends: dict[Route, list[tuple[int, int, Key, int]]] = {}
     recvs: dict[Route, list[tuple[int, int, Key, int]]] = {}
     combines: dict[Item, tuple[Key, Key, Key] | None] = {}
+    landing: dict[Item, int] = {}
+    received: dict[Key, int] = {}  # a region (cut) -> the last step so far that receives into it
     after = waits_for(schedule.steps)
     for s, step in enumerate(schedule.steps):
         for k in range(1) if step.whole else range(schedule.segments):
@@ -149,7 +152,12 @@ def _compile(schedule: Schedule, transport: Transport) -> Program:
                 sends.setdefault(route, []).append((s, k, cut(step.send), bits))
             if step.recv is not None:
                 route = (step.recv_peer, transport.route(step.recv_peer, k))
-                recvs.setdefault(route, []).append((s, k, cut(step.recv), bits))
+                key = cut(step.recv)
+                recvs.setdefault(route, []).append((s, k, key, bits))
+                if key[1] < key[2] and not step.whole:
+                    if key in received:
+                        landing[(s, k)] = received[key]
+                    received[key] = s
                 combines[(s, k)] = tuple(cut(r) for r in step.reduce) if step.reduce else None  # type: ignore[assignment]
     for items in (*sends.values(), *recvs.values()):  # a group's segments interleave
         items.sort(key=lambda item: (after[item[0]], item[1], item[0]))
@@ -180,6 +188,7 @@ def _compile(schedule: Schedule, transport: Transport) -> Program:
             if region is not None
         ),
         early=early,
+        landing=landing,
     )
 
 

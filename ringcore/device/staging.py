@@ -124,6 +124,7 @@ class StagedExecutor(Executor):
         self.step_done = [row[:] for row in program.step_done]
         self.done_upto = program.done_upto[:]
         self.after = program.after
+        self.landing = program.landing
         routes = [(r, "send") for r in program.sends] + [(r, "recv") for r in program.recvs]
         self.free = staging.slots(routes, _slot_bytes(program, self.arrays))
         self.saved: list[Key] = []
@@ -224,7 +225,7 @@ class StagedExecutor(Executor):
             free = self.free[(route, "recv")]
             while queue and free:
                 s, k, key, bits = queue[0]
-                if not self._recv_ready(s, key):
+                if not self._recv_ready(s, k, key):
                     break
                 if key[1] < key[2] and (key in self.sending or key in self.receiving):
                     break  # an empty region conflicts with nothing

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ringcore.algo import broadcast as chain
-from ringcore.algo import halving_doubling, recursive_doubling, ring
+from ringcore.algo import halving_doubling, hierarchical, recursive_doubling, ring
 from ringcore.algo.execute import Executor
 from ringcore.algo.steps import Buf
 from ringcore.buffers import DTYPES
@@ -53,6 +53,7 @@ def host_allreduce(
     algo: str,
     segment: int,
     channels: int,
+    atomic: bool = True,
 ) -> list[np.ndarray]:
     size = len(values)
 
@@ -63,7 +64,9 @@ def host_allreduce(
         schedule = _schedule(algo, rank, size, user.size, reducer.wire_dtype.itemsize, segment, in_place)
         arrays = scratch_arrays(schedule, user, reducer.wire_dtype, reducer)
         with np.errstate(all="ignore"):
-            Executor(network.transport(rank), schedule, arrays, reducer, 1, SIGNATURE, RUN_TIMEOUT).run()
+            Executor(
+                network.transport(rank), schedule, arrays, reducer, 1, SIGNATURE, RUN_TIMEOUT, atomic=atomic
+            ).run()
         if schedule.result is not None and schedule.result.buf != Buf.USER:
             reducer.convert(user, arrays[Buf.WORK])
         return user
@@ -71,7 +74,12 @@ def host_allreduce(
     return run_ranks(size, body, channels)  # type: ignore[return-value]
 
 
+HOST_GRIDS = {4: ((0, 1), (2, 3)), 6: ((0, 1, 2), (3, 4, 5)), 8: ((0, 1), (2, 3), (4, 5), (6, 7))}  # by size
+
+
 def _schedule(algo: str, rank: int, size: int, count: int, itemsize: int, segment: int, in_place: bool):
+    if algo == "hierarchical":
+        return hierarchical.allreduce(rank, HOST_GRIDS[size], count, itemsize, segment, in_place)
     if algo == "ring":
         return ring.allreduce(rank, size, count, itemsize, segment, in_place)
     if algo == "halving_doubling":
@@ -79,7 +87,9 @@ def _schedule(algo: str, rank: int, size: int, count: int, itemsize: int, segmen
     return recursive_doubling.allreduce(rank, size, count, itemsize, segment)
 
 
-def staged_allreduce(kind, values, dtype, op, comp, algo, segment, channels, staging_bytes=64 << 10):
+def staged_allreduce(
+    kind, values, dtype, op, comp, algo, segment, channels, staging_bytes=64 << 10, atomic=True
+):
     size = len(values)
     layers = [make_layer(kind, seed=rank + 17) for rank in range(size)]
 
@@ -96,7 +106,15 @@ def staged_allreduce(kind, values, dtype, op, comp, algo, segment, channels, sta
         if schedule.prefill_work:
             reducer.convert(arrays[Buf.WORK], user)
         StagedExecutor(
-            network.transport(rank), schedule, arrays, reducer, 1, SIGNATURE, RUN_TIMEOUT, staging
+            network.transport(rank),
+            schedule,
+            arrays,
+            reducer,
+            1,
+            SIGNATURE,
+            RUN_TIMEOUT,
+            staging,
+            atomic=atomic,
         ).run()
         if schedule.result is not None and schedule.result.buf != Buf.USER:
             reducer.convert(user, arrays[Buf.WORK])
@@ -135,6 +153,19 @@ def test_ring_staged_equals_host(
         )
     # per connection (one in, one out per channel): the staging size, not the buffer size
     assert max(pinned) <= 2 * channels * 1024
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+@pytest.mark.parametrize("size", sorted(HOST_GRIDS))
+def test_hierarchical_in_place_staged_equals_host_with_few_staging_slots(kind: str, size: int) -> None:
+    """A block's local and cross-host frames land in one STAGE block: with a few staging slots per
+    connection the local one may be posted after the cross-host one is due, and must still land first."""
+    values = inputs(size, 1 << 16, "float32", seed=size)
+    args = (values, "float32", ReduceOp.SUM, Compression.NONE, "hierarchical", 8192, 1)
+    want = host_allreduce(*args, atomic=False)  # in place: the schedule keeps no backups
+    got, _ = staged_allreduce(kind, *args, staging_bytes=1200, atomic=False)
+    for rank in range(size):
+        assert got[rank].tobytes() == want[rank].tobytes()
 
 
 @pytest.mark.parametrize("kind", LAYERS)
@@ -190,7 +221,14 @@ def test_broadcast_staged(kind: str, size: int) -> None:
         arrays = {Buf.USER: user, Buf.WORK: layer.empty(count, np.dtype(np.float32))}
         reducer = layer.reducer(DTYPES["float32"], ReduceOp.SUM, Compression.NONE, size, staging.compute)
         StagedExecutor(
-            network.transport(rank), schedule, arrays, reducer, 1, SIGNATURE, RUN_TIMEOUT, staging
+            network.transport(rank),
+            schedule,
+            arrays,
+            reducer,
+            1,
+            SIGNATURE,
+            RUN_TIMEOUT,
+            staging,
         ).run()
         if schedule.result is not None:
             layer.copy(user, arrays[Buf.WORK], staging.compute)
