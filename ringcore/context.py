@@ -87,7 +87,8 @@ class Context:
 
     @property
     def allreduce_slice_bytes(self) -> int:
-        """Wire bytes per allreduce slice (``Settings.allreduce_slice_bytes``); equal on every rank."""
+        """Wire bytes per allreduce slice (``Settings.allreduce_slice_bytes``; the hierarchical allreduce in place
+        takes longer ones: ``slicing.allreduce_slice_bytes``); equal on every rank."""
         return self.settings.allreduce_slice_bytes(self.size, self.cache_slices)
 
     def release(self) -> None:

@@ -9,10 +9,11 @@ The buffer is cut into H*L *blocks*; block ``(h, l)`` is the one rank
 Reduce-scatter (:func:`reduce_scatter_steps`):
 
 1. Local: a ring among the L ranks of each host over the L columns. Afterwards
-   local rank ``l`` holds column ``l`` summed over its host, in WORK.
+   local rank ``l`` holds column ``l`` summed over its host, in WORK (in the
+   caller's buffer in place: "In place" below).
 2. Across hosts: a ring among the H ranks with local rank ``l`` (one per host)
    over the blocks of column ``l``; each receive lands in STAGE and is added
-   into WORK (the last add is ``final``: avg divides there, once). The L rings
+   into WORK, or USER (the last add is ``final``: avg divides there, once). The L rings
    of a host run at the same time. Afterwards rank ``grid[h][l]`` holds block
    ``(h, l)`` reduced over every rank.
 
