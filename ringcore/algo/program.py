@@ -156,8 +156,8 @@ def _compile(schedule: Schedule, transport: Transport) -> Program:
                 route = (step.recv_peer, transport.route(step.recv_peer, k))
                 key = cut(step.recv)
                 recvs.setdefault(route, []).append((s, k, key, bits))
-                if key[1] < key[2] and not step.whole:
-                    if key in received:
+                if key[1] < key[2]:  # a whole step marks every segment done: it counts as the earlier one too
+                    if key in received and not step.whole:
                         landing[(s, k)] = received[key]
                     received[key] = s
                 combines[(s, k)] = tuple(cut(r) for r in step.reduce) if step.reduce else None  # type: ignore[assignment]

@@ -36,8 +36,10 @@ def allreduce(ctx: Context, desc: Descriptor, buffer: Buffer, op: ReduceOp, comp
     """In-place allreduce of a device buffer (``ctx.size > 1``), in the host plan's slices.
 
     The slices, each slice's schedule and its tags are the host plan's
-    (:mod:`ringcore.slicing`), so host and device
-    ranks share a ring at every size, and device scratch is one slice's.
+    (:mod:`ringcore.slicing`), so host and device ranks share a ring at every
+    size, and device scratch is one slice's WORK and STAGE (the in-place
+    hierarchical allreduce's slices are L/(L-1) times as long:
+    ``slicing.allreduce_slice_bytes``).
     """
     dev = ctx.device_context()
     user = dev.layer.wrap(buffer)  # first: it tells the layer which GPU this process uses
