@@ -105,16 +105,9 @@ def staged_allreduce(
             arrays[buf] = layer.empty(user.size, reducer.wire_dtype)
         if schedule.prefill_work:
             reducer.convert(arrays[Buf.WORK], user)
+        transport = network.transport(rank)
         StagedExecutor(
-            network.transport(rank),
-            schedule,
-            arrays,
-            reducer,
-            1,
-            SIGNATURE,
-            RUN_TIMEOUT,
-            staging,
-            atomic=atomic,
+            transport, schedule, arrays, reducer, 1, SIGNATURE, RUN_TIMEOUT, staging, atomic=atomic
         ).run()
         if schedule.result is not None and schedule.result.buf != Buf.USER:
             reducer.convert(user, arrays[Buf.WORK])
@@ -221,14 +214,7 @@ def test_broadcast_staged(kind: str, size: int) -> None:
         arrays = {Buf.USER: user, Buf.WORK: layer.empty(count, np.dtype(np.float32))}
         reducer = layer.reducer(DTYPES["float32"], ReduceOp.SUM, Compression.NONE, size, staging.compute)
         StagedExecutor(
-            network.transport(rank),
-            schedule,
-            arrays,
-            reducer,
-            1,
-            SIGNATURE,
-            RUN_TIMEOUT,
-            staging,
+            network.transport(rank), schedule, arrays, reducer, 1, SIGNATURE, RUN_TIMEOUT, staging
         ).run()
         if schedule.result is not None:
             layer.copy(user, arrays[Buf.WORK], staging.compute)
