@@ -216,8 +216,10 @@ class Communicator:
 
     @property
     def allreduce_slice_bytes(self) -> int:
-        """Wire bytes per allreduce slice (``Settings.allreduce_slice_bytes``; the hierarchical allreduce in place
-        takes longer ones: ``slicing.allreduce_slice_bytes``); equal on every rank."""
+        """Wire bytes per allreduce slice (``Settings.allreduce_slice_bytes``); equal on every rank.
+
+        The hierarchical allreduce in place takes longer ones (``slicing.allreduce_slice_bytes``).
+        """
         return self.ctx.allreduce_slice_bytes
 
     # ------------------------------------------------------------------ public API

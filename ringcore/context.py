@@ -87,8 +87,10 @@ class Context:
 
     @property
     def allreduce_slice_bytes(self) -> int:
-        """Wire bytes per allreduce slice (``Settings.allreduce_slice_bytes``; the hierarchical allreduce in place
-        takes longer ones: ``slicing.allreduce_slice_bytes``); equal on every rank."""
+        """Wire bytes per allreduce slice (``Settings.allreduce_slice_bytes``); equal on every rank.
+
+        The hierarchical allreduce in place takes longer ones (``slicing.allreduce_slice_bytes``).
+        """
         return self.settings.allreduce_slice_bytes(self.size, self.cache_slices)
 
     def release(self) -> None:

@@ -203,8 +203,10 @@ def _local_round(walk: _Walk, j: int, r: int, alongside: bool, into: Buf = Buf.W
     received. Into USER (the last round, in place), the frame lands in STAGE and the sum goes to USER."""
     sent, got = walk.me - r - 1, walk.me - r - 2
     mine = walk.block(Buf.USER, j, got)
-    partial = walk.block(Buf.WORK, j, got) if into == Buf.WORK else mine
-    arrived = walk.block(Buf.STAGE, j, got) if into == Buf.USER else partial
+    if into == Buf.USER:
+        partial, arrived = mine, walk.block(Buf.STAGE, j, got)
+    else:
+        partial = arrived = walk.block(Buf.WORK, j, got)
     walk.steps.append(
         Step(
             walk.right,

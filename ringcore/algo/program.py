@@ -66,9 +66,8 @@ class Program:
     sends_user: bool  # some step sends straight from USER (needs WORK in the same dtype)
     touches_user: bool  # some step sends from, receives into or reduces USER
     early: tuple[int, ...]  # lockstep: steps whose (empty) receive is posted before the first step
-    landing: dict[
-        Item, int
-    ]  # (step, segment) -> the earlier step whose receive into that region must be done
+    # (step, segment) -> the last earlier step receiving into the same region: combined before this receive
+    landing: dict[Item, int]
 
 
 _programs: weakref.WeakKeyDictionary[object, dict[int, tuple[Schedule, Program]]] = (
