@@ -290,6 +290,7 @@ def _open_shm(control: TcpTransport, settings: Settings) -> ShmTransport | TcpTr
             settings.init_timeout,
             settings.shm_single_copy_bytes,
             settings.shm_cache_bytes,
+            settings.kernel_copies,
         )
     except BaseException:
         control.close()
@@ -348,6 +349,7 @@ AGREED_SETTINGS = {
     "RINGCORE_GPU_STAGING_BYTES": "gpu_staging_bytes",
     "RINGCORE_ATOMIC": "atomic",  # allreduces on one host go direct only without it
     "RINGCORE_DIRECT_BYTES": "direct_bytes",
+    "RINGCORE_KERNEL_COPIES": "kernel_copies",  # moves the direct route's auto limit
 }
 
 

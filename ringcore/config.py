@@ -64,6 +64,9 @@ class Settings:
     # other buffers take the mailboxes' one or two shots (ringcore.plans.oneshot);
     # None: auto (see direct_from); 0: none (the ring, and no one- or two-shot route either)
     direct_bytes: int | None = None
+    # auto | fast | slow: the kernel's copies (process_vm_readv) next to memmove on this host, which
+    # moves direct_from's auto limits; auto: measured at set-up and agreed (see direct_from)
+    kernel_copies: str = "auto"
     spin_us: int | None = None  # busy-poll before sleeping; None: auto (see spin_seconds)
     log_level: str = "WARNING"
     secret: bytes | None = None
@@ -117,6 +120,7 @@ class Settings:
             socket_buffer=reader.size("RINGCORE_SOCKET_BUFFER", cls.socket_buffer, minimum=0),
             atomic=reader.flag("RINGCORE_ATOMIC", cls.atomic),
             direct_bytes=reader.size_or_auto("RINGCORE_DIRECT_BYTES", minimum=0),
+            kernel_copies=_choice("RINGCORE_KERNEL_COPIES", env.get("RINGCORE_KERNEL_COPIES"), KERNEL_COPIES),
             spin_us=_spin(env.get("RINGCORE_SPIN_US", "auto")),
             log_level=env.get("RINGCORE_LOG_LEVEL", cls.log_level).upper(),
             secret=env["RINGCORE_SECRET"].encode() if "RINGCORE_SECRET" in env else None,
@@ -184,7 +188,7 @@ class Settings:
         """Wire bytes per slice of a broadcast: ``RINGCORE_SLICE_BYTES``, auto 48 MiB (bounds scratch)."""
         return SCRATCH_SLICE_BYTES if self.slice_bytes is None else self.slice_bytes
 
-    def direct_from(self, size: int) -> int:
+    def direct_from(self, size: int, slow_copies: bool = False) -> int:
         """Bytes from which an allreduce of ``size`` ranks on one host goes direct: ``RINGCORE_DIRECT_BYTES``
         when set (0: never).
 
@@ -195,10 +199,32 @@ class Settings:
         at N=2 one shot had 1.06x the direct route's busbw at 256 KiB and
         0.85-0.89x at 384 KiB; at N=3 two shots had 1.18x at 512 KiB, at N=4
         1.04-1.06x from 512 to 768 KiB and 0.98x at 896 KiB.
+
+        With ``slow_copies`` (the kernel copies at under ``SLOW_KERNEL_COPIES``
+        of ``memmove``'s speed on this host: ``RINGCORE_KERNEL_COPIES``, auto
+        measured at set-up, :func:`ringcore.transport.cma.relative_speed`) the
+        direct route's system calls cost more than user-space copies through
+        shared memory while the buffers stay in cache: 16 MiB for two ranks (the
+        ring through the slots between :meth:`mailboxes_below` and it), and for
+        more just past the mailbox's 1 MiB, which then goes two-shot. Measured
+        on an AMD EPYC VM, 0.22-0.27 (``bench/HISTORY.md``, "Slow kernel
+        copies"): at N=2 the ring had 1.31-1.48x the direct route's busbw from
+        384 KiB to 4 MiB, 1.13x at 8 MiB and 0.86x at 16 MiB; at N=4 two shots
+        1.71x at 1 MiB, where the ring had 0.70-0.81x from 1 to 16 MiB.
         """
         if self.direct_bytes is not None:
             return self.direct_bytes
-        return AUTO_DIRECT_PAIR_BYTES if size == 2 else AUTO_DIRECT_BYTES
+        if size == 2:
+            return AUTO_DIRECT_PAIR_SLOW_BYTES if slow_copies else AUTO_DIRECT_PAIR_BYTES
+        return AUTO_DIRECT_BYTES + 1 if slow_copies else AUTO_DIRECT_BYTES
+
+    def mailboxes_below(self, size: int, slow_copies: bool = False) -> int:
+        """Bytes below which an ordinary buffer's allreduce of ``size`` ranks on one host may take the
+        mailboxes' one or two shots (``ringcore.plans.oneshot``, within a mailbox's slot):
+        :meth:`direct_from`, but never past 384 KiB for two ranks in auto, where the ring
+        through the slots beats one shot (``bench/HISTORY.md``, "Slow kernel copies")."""
+        below = self.direct_from(size, slow_copies)
+        return min(below, AUTO_DIRECT_PAIR_BYTES) if size == 2 and self.direct_bytes is None else below
 
     def allreduce_slice_bytes(self, size: int, cache_sized: bool) -> int:
         """Wire bytes per slice of an allreduce: ``RINGCORE_SLICE_BYTES`` when set.
@@ -256,6 +282,10 @@ SCRATCH_SLICE_BYTES = 48 * MIB
 CACHE_SLICE_PER_RANK = 1 * MIB
 AUTO_DIRECT_BYTES = 1 * MIB  # the direct route's auto limit (Settings.direct_from)
 AUTO_DIRECT_PAIR_BYTES = 384 * KIB  # ... for two ranks
+AUTO_DIRECT_PAIR_SLOW_BYTES = 16 * MIB  # ... for two, where the kernel's copies are slow
+SLOW_KERNEL_COPIES = (
+    0.375  # process_vm_readv / memmove speed below which they are (0.22-0.27 AMD, ~0.5 Intel)
+)
 
 
 def _spin(text: str) -> int | None:
@@ -321,6 +351,15 @@ class _Reader:
 
 
 TRANSPORTS = ("tcp", "shm", "ibverbs", "auto")
+KERNEL_COPIES = ("auto", "fast", "slow")
+
+
+def _choice(name: str, text: str | None, choices: tuple[str, ...]) -> str:
+    """``text`` (default: the first of ``choices``) as one of ``choices``."""
+    value = (text or choices[0]).strip().lower()
+    if value not in choices:
+        raise ConfigError(f"{name}={text!r} is not one of {', '.join(choices)}")
+    return value
 
 
 def _transport(text: str) -> str:

@@ -143,7 +143,12 @@ def _error(err: BaseException) -> RankError:
     return RankError(type(err).__name__, str(err), exception, traceback.format_exc())
 
 
-BASE_ENV: dict[str, str] = {}  # under every cluster's own env (tests/conftest.py's ``ring_only`` sets it)
+# Under every cluster's own env (tests/conftest.py's ``ring_only`` adds to it). The kernel's copies
+# pinned fast, so which route a size takes on one host is the same on every machine the tests run on
+# (auto measures them: ringcore.config.Settings.direct_from); tests/integration/test_kernel_copies.py
+# runs auto and slow.
+PINNED = {"RINGCORE_KERNEL_COPIES": "fast"}
+BASE_ENV: dict[str, str] = PINNED
 
 
 class Cluster:

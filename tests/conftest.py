@@ -8,7 +8,7 @@ import pytest
 
 from tests import cluster
 
-RING_ONLY = {"RINGCORE_DIRECT_BYTES": "0"}
+RING_ONLY = {**cluster.PINNED, "RINGCORE_DIRECT_BYTES": "0"}
 
 
 @pytest.fixture

@@ -264,7 +264,7 @@ class DirectRoute:
     def __init__(self, plan: RoutedPlan, below: OneShotRoute | None = None) -> None:
         self.plan, self.ctx = plan, plan.ctx
         self.below = below  # where this call's memory is not symmetric, below RINGCORE_DIRECT_BYTES
-        self.direct_from = plan.ctx.settings.direct_from(plan.ctx.size)
+        self.direct_from = direct_from(plan.ctx)
         self.calls = 0
         self._copyable = -1  # the address of this plan's last buffer found copyable
         self._share: tuple[int, int] | None = None  # this rank's [lo, hi) of the plan's elements
@@ -401,6 +401,16 @@ def _agreed(rows: list[list[int]]) -> int:
     return way
 
 
+def slow_copies(ctx: Context) -> bool:
+    """Whether the kernel's copies are slow next to ``memmove`` on this host (agreed at set-up)."""
+    return getattr(ctx.transport, "slow_kernel_copies", False)
+
+
+def direct_from(ctx: Context) -> int:
+    """Bytes from which ordinary buffers of ``ctx``'s allreduces go direct (``Settings.direct_from``)."""
+    return ctx.settings.direct_from(ctx.size, slow_copies(ctx))
+
+
 def route_for(plan: RoutedPlan) -> DirectRoute | OneShotRoute | None:
     """The plan's route chosen per call where its conditions hold, alike on every rank; None: its form alone.
 
@@ -414,8 +424,7 @@ def route_for(plan: RoutedPlan) -> DirectRoute | OneShotRoute | None:
     """
     ctx, settings = plan.ctx, plan.ctx.settings
     transport = ctx.transport
-    direct_from = settings.direct_from(ctx.size)
-    if ctx.size < 2 or transport is None or not direct_from or plan.compression is not Compression.NONE:
+    if ctx.size < 2 or transport is None or not direct_from(ctx) or plan.compression is not Compression.NONE:
         return None
     mailbox = getattr(transport, "mailbox", None)
     boxed = mailbox is not None and plan.nbytes <= mailbox.slot_bytes
@@ -427,7 +436,8 @@ def route_for(plan: RoutedPlan) -> DirectRoute | OneShotRoute | None:
     # other), the mailboxes take them up to 1 MiB at any N. All of it agreed at set-up.
     remote = mapped and getattr(transport, "copies_everywhere", False)
     staged = None
-    if boxed and plan.nbytes < (direct_from if remote else max(direct_from, AUTO_DIRECT_BYTES)):
+    below = settings.mailboxes_below(ctx.size, slow_copies(ctx))
+    if boxed and plan.nbytes < (below if remote else max(below, AUTO_DIRECT_BYTES)):
         # two ranks: one shot's one add beats a second wait
         staged = (OneShotRoute if ctx.size == 2 else TwoShotRoute)(plan, transport)  # type: ignore[arg-type]
     return DirectRoute(plan, staged) if mapped else staged

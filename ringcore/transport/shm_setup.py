@@ -33,6 +33,7 @@ import contextlib
 import logging
 import os
 import socket
+import statistics
 import struct
 import threading
 import time
@@ -40,6 +41,7 @@ from typing import Any
 
 import msgpack
 
+from ringcore.config import SLOW_KERNEL_COPIES
 from ringcore.errors import CollectiveTimeout
 from ringcore.transport import cma, shm_ring
 from ringcore.transport.shm import ShmTransport
@@ -63,6 +65,7 @@ def connect(
     timeout: float,
     single_copy_bytes: int = 0,
     cache_bytes: int | None = 0,
+    kernel_copies: str = "fast",
 ) -> ShmTransport:
     """Find the peers on this host and connect to them through shared memory (module docstring).
 
@@ -74,6 +77,10 @@ def connect(
             rank's memory (``RINGCORE_SHM_SINGLE_COPY_BYTES``; 0: never).
         cache_bytes: ...in collectives whose buffers on this host outgrow this
             (``RINGCORE_SHM_CACHE_BYTES``; None: :func:`last_level_cache`; 0: in all).
+        kernel_copies: ``fast``, ``slow`` or ``auto`` (``RINGCORE_KERNEL_COPIES``): whether
+            ``process_vm_readv`` is slow next to ``memmove`` here (``ShmTransport.slow_kernel_copies``);
+            auto: where every rank may copy from every other, each measures it
+            (:func:`cma.relative_speed`) and all take the median.
 
     Raises:
         PeerFailure: a peer died during set-up.
@@ -116,7 +123,11 @@ def connect(
                 _attach_mailbox(peer, str(answers[peer]["mailbox"]), boxes)
         boxed = box is not None and all(peer in boxes and peer in mapped for peer in peers)
         copies_all = len(local) == len(peers) and all(offers[peer]["writes"] for peer in local)
-        said = {peer: {"mapped": peer in mapped, "copies_all": copies_all, "boxed": boxed} for peer in peers}
+        speed = cma.relative_speed() if copies_all and kernel_copies == "auto" else None
+        said = {
+            peer: {"mapped": peer in mapped, "copies_all": copies_all, "boxed": boxed, "copy_speed": speed}
+            for peer in peers
+        }
         done = _exchange(control, said, timeout)
     except BaseException:
         for segment in (*made.values(), *mapped.values(), *boxes.values(), *([box] if box else [])):
@@ -144,6 +155,11 @@ def connect(
         control, made, mapped, answers, done, links, ours, bells, point_from, peer_pids, cache
     )
     transport.copies_everywhere = copies_all and all(done[peer].get("copies_all") for peer in peers)
+    speeds = [speed, *(done[peer].get("copy_speed") for peer in peers)]
+    if kernel_copies != "auto":
+        transport.slow_kernel_copies = kernel_copies == "slow"
+    elif transport.copies_everywhere and None not in speeds:  # the same list on every rank
+        transport.slow_kernel_copies = statistics.median(speeds) < SLOW_KERNEL_COPIES  # type: ignore[type-var]
     transport.word = memory.word
     transport.peer_words = {peer: int(theirs[peer]["memory"].get("word", 0)) for peer in peer_pids}
     if box is not None and boxed and all(done[peer].get("boxed") for peer in peers):

@@ -16,6 +16,16 @@ def can_copy(comm: Any) -> bool:
     return bool(getattr(comm.ctx.transport, "copies_everywhere", False))
 
 
+def kernel_copies(comm: Any) -> dict[str, Any]:
+    """Whether this rank's transport found the kernel's copies slow, and the direct route's limit then."""
+    from ringcore.plans.direct import direct_from
+
+    return {
+        "slow": bool(getattr(comm.ctx.transport, "slow_kernel_copies", False)),
+        "direct_from": direct_from(comm.ctx),
+    }
+
+
 def allreduce_routed(comm: Any, inputs: list[np.ndarray], op: str, kind: str = "numpy") -> dict[str, Any]:
     """Allreduce this rank's input as a numpy array (a kept plan) or an ``array.array`` (a one-call plan).
 

@@ -162,6 +162,25 @@ def test_the_direct_route_starts_at_384k_for_two_ranks_and_1m_for_more_unless_se
     assert Settings.from_env({"RINGCORE_DIRECT_BYTES": "0"}).direct_from(2) == 0  # never: the rings
 
 
+def test_slow_kernel_copies_start_the_direct_route_later_in_auto_only() -> None:
+    auto = Settings.from_env({})
+    assert (
+        auto.kernel_copies == "auto"
+        and Settings.from_env({"RINGCORE_KERNEL_COPIES": "Slow"}).kernel_copies == "slow"
+    )
+    assert auto.direct_from(2, slow_copies=True) == 16 * MIB  # the ring below
+    assert auto.mailboxes_below(2, slow_copies=True) == auto.mailboxes_below(2) == 384 * KIB
+    assert auto.direct_from(4, slow_copies=True) == auto.mailboxes_below(4, slow_copies=True) == 1 * MIB + 1
+    assert auto.mailboxes_below(4) == 1 * MIB
+    fixed = Settings.from_env({"RINGCORE_DIRECT_BYTES": "2M"})
+    for size in (2, 4):
+        assert (
+            fixed.direct_from(size, slow_copies=True)
+            == fixed.mailboxes_below(size, slow_copies=True)
+            == 2 * MIB
+        )
+
+
 def test_assignments_name_known_settings_with_values_init_accepts() -> None:
     """What the comparison tools run as a variant: a misspelt name must not measure the defaults."""
     assert assignments("SHM_CACHE_BYTES=0+spin_us=auto") == {

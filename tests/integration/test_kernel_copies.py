@@ -1,0 +1,104 @@
+"""Where the kernel's copies are slow (``RINGCORE_KERNEL_COPIES``), the direct route starts later.
+
+``process_vm_readv`` pins and maps every page it copies; on some hosts that
+costs four times a ``memmove`` in cache, and there user-space copies through
+shared memory beat the direct route while the buffers stay in cache
+(``ringcore.config.Settings.direct_from``). Checked here, across real
+processes: ``auto`` measures it at set-up and every rank ends with the same
+verdict; ``slow`` sends N=2 allreduces from 384 KiB to 16 MiB through the
+ring, and from three ranks a 1 MiB allreduce through two shots, with results
+equal to numpy's and to the ring's bits; ``fast`` keeps the limits of
+``tests/integration/test_direct.py``; a bad value is refused at init.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ringcore.config import Settings
+from ringcore.errors import ConfigError
+from ringcore.transport import cma
+from tests import tasks
+from tests.cluster import Cluster
+from tests.conftest import RING_ONLY
+from tests.reference import check_allreduce
+
+KIB, MIB = 1024, 1024 * 1024
+SLOW = {"RINGCORE_KERNEL_COPIES": "slow"}
+pytestmark = pytest.mark.skipif(not cma.available(), reason="process_vm_readv: Linux only")
+
+
+def _route(nbytes: int, size: int) -> str:
+    """The route slow kernel copies give an ordinary float32 buffer of ``nbytes`` on ``size`` ranks."""
+    settings = Settings()
+    if nbytes >= settings.direct_from(size, slow_copies=True):
+        return "direct"
+    if nbytes < settings.mailboxes_below(size, slow_copies=True):
+        return "mailboxes"
+    return "ring"
+
+
+def test_relative_speed_is_a_ratio_and_zero_where_the_kernel_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    speed = cma.relative_speed(64 * KIB, rounds=4)
+    assert 0.0 < speed < 100.0, speed
+
+    def refuse(self: cma.Channel, there: int, here: int, nbytes: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(cma.Channel, "copy_in", refuse)
+    assert cma.relative_speed(64 * KIB, rounds=4) == 0.0
+
+
+def test_a_bad_value_is_refused() -> None:
+    with pytest.raises(ConfigError, match="RINGCORE_KERNEL_COPIES"):
+        Settings.from_env({"RINGCORE_KERNEL_COPIES": "quick"})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3])
+def test_auto_measures_once_and_every_rank_agrees(size: int) -> None:
+    x = [np.arange(300 * KIB // 4, dtype=np.float32) * (rank + 1) for rank in range(size)]
+    with Cluster(size, env={"RINGCORE_KERNEL_COPIES": "auto"}, timeout=60) as cluster:
+        verdicts = cluster.results(tasks.kernel_copies)
+        reports = cluster.results(tasks.allreduce_routed, x, "sum")
+    copies = cluster_can_copy(size)
+    assert len({(v["slow"], v["direct_from"]) for v in verdicts}) == 1, verdicts
+    expected = Settings().direct_from(size, slow_copies=verdicts[0]["slow"])
+    assert verdicts[0]["direct_from"] == expected
+    if not copies:
+        assert not verdicts[0]["slow"], "no verdict where ranks may not copy from each other"
+    for rank, report in enumerate(reports):
+        check_allreduce(report["result"], x, "sum", where=f"rank {rank}")
+
+
+def cluster_can_copy(size: int) -> bool:
+    with Cluster(size, timeout=60) as cluster:
+        return all(cluster.results(tasks.can_copy))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("size", "sizes"),
+    [(2, [256 * KIB, 512 * KIB, 1 * MIB, 4 * MIB + 12, 16 * MIB]), (3, [512 * KIB, 1 * MIB, 1 * MIB + 64])],
+)
+def test_slow_copies_move_the_routes_and_keep_the_rings_bits(size: int, sizes: list[int]) -> None:
+    """N=2: one shot below 384 KiB, the ring up to 16 MiB, direct from there; N=3: 1 MiB two shots."""
+    if not cluster_can_copy(size):
+        pytest.skip("ranks may not copy from each other here (Yama ptrace_scope): no direct route")
+    rng = np.random.default_rng(size)
+    cases = [[rng.integers(-1000, 1000, n // 4).astype(np.float32) for _ in range(size)] for n in sizes]
+    routes = [_route(n // 4 * 4, size) for n in sizes]
+    assert set(routes) == ({"mailboxes", "ring", "direct"} if size == 2 else {"mailboxes", "direct"}), routes
+    with Cluster(size, env=RING_ONLY, timeout=120) as cluster:
+        rings = [cluster.results(tasks.allreduce_routed, inputs, "sum") for inputs in cases]
+    with Cluster(size, env=SLOW, timeout=120) as cluster:
+        assert all(v["slow"] for v in cluster.results(tasks.kernel_copies))
+        for inputs, by_ring, route in zip(cases, rings, routes, strict=True):
+            reports = cluster.results(tasks.allreduce_routed, inputs, "sum")
+            for rank, (report, ring) in enumerate(zip(reports, by_ring, strict=True)):
+                where = f"rank {rank} {inputs[0].nbytes} bytes, {route}:"
+                took = "direct" if report["direct"] else "mailboxes" if report["posted"] else "ring"
+                assert took == route, (where, report["direct"], report["posted"])
+                check_allreduce(report["result"], inputs, "sum", where=where)
+                assert report["result"].tobytes() == ring["result"].tobytes(), where  # integer-valued
