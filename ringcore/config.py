@@ -208,9 +208,9 @@ class Settings:
         ring through the slots between :meth:`mailboxes_below` and it), and for
         more just past the mailbox's 1 MiB, which then goes two-shot. Measured
         on an AMD EPYC VM, 0.22-0.27 (``bench/HISTORY.md``, "Slow kernel
-        copies"): at N=2 the ring had 1.31-1.48x the direct route's busbw from
+        copies"): at N=2 the ring had 1.30-1.67x the direct route's busbw from
         384 KiB to 4 MiB, 1.13x at 8 MiB and 0.86x at 16 MiB; at N=4 two shots
-        1.71x at 1 MiB, where the ring had 0.70-0.81x from 1 to 16 MiB.
+        1.66-1.71x at 1 MiB, where the ring had 0.70-0.87x from 1 to 16 MiB.
         """
         if self.direct_bytes is not None:
             return self.direct_bytes

@@ -23,8 +23,10 @@ rank mapped every mailbox, and above it the mailboxes' one or two shots below
 plan's only route). Whether a call takes it depends on where each rank's memory
 lies, so it is decided per call, in :meth:`DirectRoute.run` and nowhere else:
 
-- From ``RINGCORE_DIRECT_BYTES`` (auto: 384 KiB at N=2, 1 MiB for more ranks:
-  ``Settings.direct_from``), where every rank may copy from and to
+- From ``RINGCORE_DIRECT_BYTES`` (auto: 384 KiB at N=2, 1 MiB for more ranks;
+  where the kernel's copies are slow next to ``memmove``, measured and agreed at
+  set-up, 16 MiB at N=2 with the ring below it and just past 1 MiB for more:
+  ``Settings.direct_from``, :func:`direct_from`), where every rank may copy from and to
   every other (``ShmTransport.copies_everywhere``, probed and agreed at set-up),
   the ranks vote: each offers a row ``(way, address, allocation, offset)`` in a
   small allreduce (part ``VOTE_PART`` of the collective's tags): remote for a
@@ -415,7 +417,7 @@ def route_for(plan: RoutedPlan) -> DirectRoute | OneShotRoute | None:
     """The plan's route chosen per call where its conditions hold, alike on every rank; None: its form alone.
 
     Where every rank mapped every mailbox, at most ``RINGCORE_SMALL_BYTES``: the
-    one-shot route; above it and below ``RINGCORE_DIRECT_BYTES`` (``Settings.direct_from``;
+    one-shot route; above it and below ``RINGCORE_DIRECT_BYTES`` (``Settings.mailboxes_below``;
     1 MiB at least where ordinary buffers cannot go direct) and the mailbox's slot:
     the two-shot route, one shot again at N=2 (both :mod:`ringcore.plans.oneshot`).
     Above the small limit, where every rank is on this host and ``RINGCORE_ATOMIC=0``:

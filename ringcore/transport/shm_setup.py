@@ -20,7 +20,12 @@ TCP mesh, to every peer:
    sender unlinks it (again) after this round, and so does each rank its
    doorbell, so once ``connect`` returns nothing of the job is left in
    ``/dev/shm`` whatever happens to any rank later. A pair is carried by
-   shared memory only if both ranks said yes in every round.
+   shared memory only if both ranks said yes in every round. Where every
+   rank may copy from every other, each also says how fast the kernel's
+   copies are next to ``memmove`` here (:func:`cma.relative_speed`, half a
+   millisecond), and every rank takes the median of the same list
+   (``ShmTransport.slow_kernel_copies``, which moves the direct
+   allreduce's auto limit: ``ringcore.config.Settings.direct_from``).
 
 Only the window between making a segment and the end of set-up can leave a
 file behind (a rank killed right then); names are unguessable and files are
