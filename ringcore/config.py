@@ -205,18 +205,20 @@ class Settings:
         measured at set-up, :func:`ringcore.transport.cma.relative_speed`) the
         direct route's system calls cost more than user-space copies through
         shared memory while the buffers stay in cache: 16 MiB for two ranks (the
-        ring through the slots between :meth:`mailboxes_below` and it), and for
-        more just past the mailbox's 1 MiB, which then goes two-shot. Measured
-        on an AMD EPYC VM, 0.22-0.27 (``bench/HISTORY.md``, "Slow kernel
-        copies"): at N=2 the ring had 1.30-1.67x the direct route's busbw from
-        384 KiB to 4 MiB, 1.13x at 8 MiB and 0.86x at 16 MiB; at N=4 two shots
-        1.66-1.71x at 1 MiB, where the ring had 0.70-0.87x from 1 to 16 MiB.
+        ring through the slots between :meth:`mailboxes_below` and it), 8 MiB
+        for more (two shots below it, in pieces of a mailbox's slot past 1 MiB).
+        Measured on an AMD EPYC VM, 0.22-0.27 (``bench/HISTORY.md``, "Slow
+        kernel copies"): at N=2 the ring had 1.30-1.67x the direct route's
+        busbw from 384 KiB to 4 MiB, 1.13x at 8 MiB and 0.86x at 16 MiB; at N=4
+        two shots 1.66-1.71x at 1 MiB and 1.2-1.7x from 2 to 16 MiB, where the
+        ring had 0.70-0.87x, but where the two vCPUs' caches lie far apart
+        (spells of that host) two shots fell to 0.5-0.7x from 4 MiB.
         """
         if self.direct_bytes is not None:
             return self.direct_bytes
         if size == 2:
             return AUTO_DIRECT_PAIR_SLOW_BYTES if slow_copies else AUTO_DIRECT_PAIR_BYTES
-        return AUTO_DIRECT_BYTES + 1 if slow_copies else AUTO_DIRECT_BYTES
+        return AUTO_DIRECT_SLOW_BYTES if slow_copies else AUTO_DIRECT_BYTES
 
     def mailboxes_below(self, size: int, slow_copies: bool = False) -> int:
         """Bytes below which an ordinary buffer's allreduce of ``size`` ranks on one host may take the
@@ -282,7 +284,8 @@ SCRATCH_SLICE_BYTES = 48 * MIB
 CACHE_SLICE_PER_RANK = 1 * MIB
 AUTO_DIRECT_BYTES = 1 * MIB  # the direct route's auto limit (Settings.direct_from)
 AUTO_DIRECT_PAIR_BYTES = 384 * KIB  # ... for two ranks
-AUTO_DIRECT_PAIR_SLOW_BYTES = 16 * MIB  # ... for two, where the kernel's copies are slow
+AUTO_DIRECT_SLOW_BYTES = 8 * MIB  # ... where the kernel's copies are slow (two shots in pieces below)
+AUTO_DIRECT_PAIR_SLOW_BYTES = 16 * MIB  # ... and for two ranks there (the ring below)
 SLOW_KERNEL_COPIES = (
     0.375  # process_vm_readv / memmove speed below which they are (0.22-0.27 AMD, ~0.5 Intel)
 )

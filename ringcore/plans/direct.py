@@ -25,7 +25,7 @@ lies, so it is decided per call, in :meth:`DirectRoute.run` and nowhere else:
 
 - From ``RINGCORE_DIRECT_BYTES`` (auto: 384 KiB at N=2, 1 MiB for more ranks;
   where the kernel's copies are slow next to ``memmove``, measured and agreed at
-  set-up, 16 MiB at N=2 with the ring below it and just past 1 MiB for more:
+  set-up, 16 MiB at N=2 with the ring below it and 8 MiB for more, with two shots below it:
   ``Settings.direct_from``, :func:`direct_from`), where every rank may copy from and to
   every other (``ShmTransport.copies_everywhere``, probed and agreed at set-up),
   the ranks vote: each offers a row ``(way, address, allocation, offset)`` in a
@@ -419,7 +419,8 @@ def route_for(plan: RoutedPlan) -> DirectRoute | OneShotRoute | None:
     Where every rank mapped every mailbox, at most ``RINGCORE_SMALL_BYTES``: the
     one-shot route; above it and below ``RINGCORE_DIRECT_BYTES`` (``Settings.mailboxes_below``;
     1 MiB at least where ordinary buffers cannot go direct) and the mailbox's slot:
-    the two-shot route, one shot again at N=2 (both :mod:`ringcore.plans.oneshot`).
+    the two-shot route, one shot again at N=2 (both :mod:`ringcore.plans.oneshot`); from three
+    ranks without ``RINGCORE_ATOMIC`` an input longer than the slot goes two-shot in pieces.
     Above the small limit, where every rank is on this host and ``RINGCORE_ATOMIC=0``:
     :class:`DirectRoute` (module docstring), with that route below it for memory
     that is not symmetric.
@@ -439,7 +440,9 @@ def route_for(plan: RoutedPlan) -> DirectRoute | OneShotRoute | None:
     remote = mapped and getattr(transport, "copies_everywhere", False)
     staged = None
     below = settings.mailboxes_below(ctx.size, slow_copies(ctx))
-    if boxed and plan.nbytes < (below if remote else max(below, AUTO_DIRECT_BYTES)):
+    # two shots take an input longer than a slot in pieces, where the buffer may change piece by piece
+    pieces = mailbox is not None and ctx.size > 2 and not settings.atomic
+    if (boxed or pieces) and plan.nbytes < (below if remote else max(below, AUTO_DIRECT_BYTES)):
         # two ranks: one shot's one add beats a second wait
         staged = (OneShotRoute if ctx.size == 2 else TwoShotRoute)(plan, transport)  # type: ignore[arg-type]
     return DirectRoute(plan, staged) if mapped else staged

@@ -81,6 +81,18 @@ shot's single add of the peer's input in another form, and wait once more
 1.04-1.43x one shot's at 128-384 KiB). The choice is
 :func:`ringcore.plans.direct.route_for`'s.
 
+Pieces. From three ranks, without ``RINGCORE_ATOMIC``, an input longer than a
+slot and below ``RINGCORE_DIRECT_BYTES`` (auto: only where the kernel's copies
+are slow, up to 8 MiB: ``ringcore.config.Settings.direct_from``) goes two-shot
+a slot's worth at a time: piece ``k``'s two posts carry ``seq | k << 32``, so a
+peer's post of the piece before, two posts back in the same slot, is never
+taken for this one. Piece ``k`` reaches the caller's buffer once its second
+post is met, so a failure in a later piece leaves the pieces before it reduced
+and the rest as it was, and the error's note says so
+(:func:`ringcore.slicing.note_failure`). Measured on that host at N=4, fast
+spells: 1.2-1.7x the direct route's busbw from 2 to 16 MiB (``bench/HISTORY.md``,
+"Slow kernel copies").
+
 The other collectives. :func:`exchange` is the same post and wait for a
 broadcast (the root posts its buffer, every rank copies it), an allgather
 (every rank posts its rows, every rank concatenates; a rank whose rows
@@ -106,6 +118,7 @@ from ringcore.algo.direct import shares
 from ringcore.algo.waiting import Watch
 from ringcore.descriptor import Descriptor
 from ringcore.plans.base import host_array, plan_reducer
+from ringcore.slicing import note_failure
 from ringcore.transport.base import FrameMismatch
 
 if TYPE_CHECKING:
@@ -114,6 +127,7 @@ if TYPE_CHECKING:
     from ringcore.transport.shm import ShmTransport
     from ringcore.transport.shm_mailbox import Mailbox
 
+PIECE_SHIFT = 32  # a piece's number in its posts' sequence word, above the collective's (Pieces)
 ABSENT, POSTED = 0, 1  # a rank's post: its input is not in it (the plan's form runs), or it is
 DECLINED_KEPT = 4096  # signatures kept in ctx.declined, then forgotten all at once (decline)
 
@@ -169,14 +183,73 @@ class OneShotRoute:
 
 class TwoShotRoute(OneShotRoute):
     """One plan's two-shot route (module docstring, "Two shots"): the one-shot route's post and
-    wait, then each rank reduces its share into its next slot, posts that, and copies every share out."""
+    wait, then each rank reduces its share into its next slot, posts that, and copies every share out;
+    an input longer than a slot in pieces of a slot, one after the other ("Pieces")."""
 
     name = "twoshot"
 
     def __init__(self, plan: RoutedPlan, transport: ShmTransport) -> None:
         super().__init__(plan, transport)
-        self.shares = [slice(lo, hi) for lo, hi in shares(plan.count, plan.ctx.size, self.storage.itemsize)]
+        mailbox = transport.mailbox
+        assert mailbox is not None
+        itemsize = self.storage.itemsize
+        step = mailbox.slot_bytes // itemsize  # elements of a whole piece
+        self.pieces = [
+            (
+                lo,
+                min(plan.count, lo + step),
+                [slice(a, b) for a, b in shares(min(step, plan.count - lo), plan.ctx.size, itemsize)],
+            )
+            for lo in range(0, max(plan.count, 1), step)
+        ]
+        self.shares = self.pieces[0][2]
         self.share = self.shares[self.rank]
+
+    def run(self, obj: Any, seq: int) -> bool:
+        if len(self.pieces) == 1:
+            return super().run(obj, seq)
+        if self.signature in self.declined:
+            return False
+        ctx, transport, mailbox = self.ctx, self.transport, self.transport.mailbox
+        assert mailbox is not None
+        reduce, rank, storage, itemsize = self._reducer(), self.rank, self.storage, self.storage.itemsize
+        done = 0  # elements [0, done) hold the result
+        try:
+            flat = host_array(self.plan, obj)
+            for k, (lo, hi, parts) in enumerate(self.pieces):
+                number, nbytes = seq | (k << PIECE_SHIFT), (hi - lo) * itemsize
+                inputs = mailbox.inputs(mailbox.slot, nbytes, storage)
+                if flat is not None:
+                    inputs[rank][...] = flat[lo:hi]
+                posted = meet(
+                    ctx, transport, number, self.signature, ABSENT if flat is None else POSTED, nbytes
+                )
+                if flat is None or posted < len(mailbox.peers):  # the first piece's post decides it
+                    if flat is None and not posted:
+                        decline(ctx, self.signature)
+                    return False
+                outputs = mailbox.inputs(mailbox.slot, nbytes, storage)
+                share = parts[rank]
+                reduce(outputs[rank][share], [view[share] for view in inputs])
+                meet(ctx, transport, number, self.signature, POSTED, nbytes, "reduced share")
+                piece = flat[lo:hi]
+                for owner, part in enumerate(parts):
+                    piece[part] = outputs[owner][part]
+                done = hi
+        except BaseException as err:  # the peers wait for this rank's post: tell them
+            try:
+                ctx.fail(Descriptor("allreduce", seq, *self.plan.fields), err)
+            except BaseException as failed:
+                note_failure(failed, done, 0, self.plan.count)
+                raise
+        self.calls += 1
+        return True
+
+    def _reducer(self) -> Any:
+        reduce = self._reduce
+        if reduce is None:
+            reduce = self._reduce = plan_reducer(self.plan).reduce
+        return reduce
 
     def _finish(self, flat: np.ndarray, inputs: list[np.ndarray], seq: int) -> None:
         mailbox = self.transport.mailbox
@@ -184,7 +257,7 @@ class TwoShotRoute(OneShotRoute):
         share = self.share
         try:
             outputs = mailbox.inputs(mailbox.slot, self.nbytes, self.storage)
-            plan_reducer(self.plan).reduce(outputs[self.rank][share], [view[share] for view in inputs])
+            self._reducer()(outputs[self.rank][share], [view[share] for view in inputs])
             meet(self.ctx, self.transport, seq, self.signature, POSTED, self.nbytes, "reduced share")
         except BaseException as err:  # the peers wait for this rank's share: tell them
             self.ctx.fail(Descriptor("allreduce", seq, *self.plan.fields), err)

@@ -96,6 +96,67 @@ def test_mid_sized_allreduces_go_two_shot_or_one_and_match_numpy_and_the_rings(s
         assert stat["routed"] == dict(Counter(routes)), (rank, stat)
 
 
+PIECES = [  # (dtype, op, bytes): longer than the mailbox's 1 MiB slot
+    ("float32", "sum", 1024 * KIB + 64),
+    ("int32", "max", 3 * 1024 * KIB + 12),
+    ("float64", "avg", 2 * 1024 * KIB),
+    ("float16", "sum", 1024 * KIB + 2),
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("size", [3, 4])
+def test_inputs_longer_than_a_slot_go_two_shot_in_pieces(size: int) -> None:
+    """Below ``RINGCORE_DIRECT_BYTES`` (8M here) from three ranks, a slot's worth at a time: two posts
+    per piece, the ring's bits, every rank alike; ``RINGCORE_ATOMIC=1`` keeps them on the ring."""
+    rng = np.random.default_rng(size)
+    cases = []
+    for dtype, op, nbytes in PIECES:
+        count = nbytes // np.dtype(dtype).itemsize
+        cases.append((dtype, op, [rng.integers(-50, 50, count).astype(dtype) for _ in range(size)]))
+    with Cluster(size, env=RING_ONLY, timeout=120) as cluster:
+        rings = [cluster.results(tasks.allreduce_routed, inputs, op) for _, op, inputs in cases]
+    with Cluster(size, env={"RINGCORE_DIRECT_BYTES": "8M"}, timeout=120) as cluster:
+        for (dtype, op, inputs), by_ring in zip(cases, rings, strict=True):
+            pieces = -(-inputs[0].nbytes // (1024 * KIB))
+            for kind in ("numpy", "array") if dtype != "float16" else ("numpy",):
+                reports = cluster.results(tasks.allreduce_routed, inputs, op, kind)
+                for rank, (report, ring) in enumerate(zip(reports, by_ring, strict=True)):
+                    where = f"rank {rank} {kind} {dtype} {op} {inputs[0].nbytes} bytes:"
+                    assert (report["direct"], report["posted"]) == (0, 2 * pieces), (where, report["posted"])
+                    check_allreduce(report["result"], inputs, op, where=where)
+                    assert report["result"].tobytes() == ring["result"].tobytes(), where
+    _, op, inputs = cases[0]
+    with Cluster(size, env={"RINGCORE_DIRECT_BYTES": "8M", "RINGCORE_ATOMIC": "1"}, timeout=60) as cluster:
+        for rank, report in enumerate(cluster.results(tasks.allreduce_routed, inputs, op)):
+            assert report["posted"] == 0, (rank, report["posted"])
+            check_allreduce(report["result"], inputs, op, where=f"rank {rank} atomic")
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_dead_in_a_later_piece_fails_every_rank_naming_the_pieces_done(tmp_path: Path) -> None:
+    """Rank 1 kills itself at its fourth post (the second piece's share): the survivors' errors name
+    it, the first piece holds the result and the rest of the buffer is as it was."""
+    count = 300_000  # float32, 1.2 MB: two pieces
+    fault = (1, "kill9", str(tmp_path / "killed_at"), 1.0)  # round 0 posted four times
+    env = {"RINGCORE_TIMEOUT": "20", "RINGCORE_DIRECT_BYTES": "8M"}
+    with Cluster(3, env=env, timeout=60) as cluster:
+        doomed = Background(cluster, tasks.allreduce_until_failure, count, 3, fault, ranks=[1], timeout=90)
+        working = Background(
+            cluster, tasks.allreduce_until_failure, count, 3, fault, ranks=[0, 2], timeout=90
+        )
+        reports = working.join(60)
+        (victim,) = doomed.join(30)
+    assert isinstance(victim, RankError) and victim.type_name == "dead", victim
+    for rank, report in zip([0, 2], reports, strict=True):
+        assert report["error"] == qualified(ringcore.PeerFailure), (rank, report)
+        assert report["peer"] == 1 and "rank 1" in report["message"], (rank, report)
+        assert any("elements [0, 262144) of 300000 already hold the result" in n for n in report["notes"]), (
+            report
+        )
+        assert report["untouched"], (rank, report)
+
+
 @pytest.mark.timeout(120)
 def test_atomic_allreduces_take_two_shots_and_symmetric_memory_still_goes_direct() -> None:
     """``RINGCORE_ATOMIC=1`` keeps the mailboxes' routes (a failure leaves the buffer as it was anyway),

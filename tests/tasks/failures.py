@@ -116,6 +116,7 @@ def allreduce_until_failure(
                 return {
                     "error": _qualified(err),
                     "message": str(err),
+                    "notes": list(getattr(err, "__notes__", [])),
                     "peer": getattr(err, "peer", None),
                     "rounds": rounds,
                     "untouched": untouched_except_noted(buf, original, err),
