@@ -355,8 +355,14 @@ AGREED_SETTINGS = {
 
 def _agreed_value(settings: Settings, field: str, size: int) -> Any:
     """What a rank says about ``field``: its value, or for the direct route's limit the bytes it means
-    in a world of ``size`` (auto and an explicit 1M agree from three ranks)."""
-    return settings.direct_from(size) if field == "direct_bytes" else getattr(settings, field)
+    in a world of ``size`` where the kernel's copies prove fast and where slow, as far as
+    ``RINGCORE_KERNEL_COPIES`` leaves either open (auto and an explicit 1M agree from three ranks
+    with the copies pinned fast)."""
+    if field != "direct_bytes":
+        return getattr(settings, field)
+    verdicts = {"fast": (False, False), "slow": (True, True)}.get(settings.kernel_copies, (False, True))
+    fast, slow = (settings.direct_from(size, slow) for slow in verdicts)
+    return fast if fast == slow else f"{fast} ({slow} if the kernel's copies prove slow)"
 
 
 def _me(host: str, listener: socket.socket, world: WorldSpec, settings: Settings) -> dict[str, Any]:

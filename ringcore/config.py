@@ -222,7 +222,7 @@ class Settings:
 
     def mailboxes_below(self, size: int, slow_copies: bool = False) -> int:
         """Bytes below which an ordinary buffer's allreduce of ``size`` ranks on one host may take the
-        mailboxes' one or two shots (``ringcore.plans.oneshot``, within a mailbox's slot):
+        mailboxes' one or two shots (``ringcore.plans.oneshot``; one shot within a slot, two in pieces):
         :meth:`direct_from`, but never past 384 KiB for two ranks in auto, where the ring
         through the slots beats one shot (``bench/HISTORY.md``, "Slow kernel copies")."""
         below = self.direct_from(size, slow_copies)

@@ -170,21 +170,21 @@ def failure_note(start: int, exposed: int, count: int) -> Iterator[None]:
         raise
 
 
-def note_failure(err: BaseException, start: int, exposed: int, count: int) -> None:
+SLICES_WHY = "large buffers are reduced slice by slice, RINGCORE_SLICE_BYTES"
+
+
+def note_failure(err: BaseException, start: int, exposed: int, count: int, why: str = SLICES_WHY) -> None:
     """Add notes to ``err`` saying which of the buffer's ``count`` elements hold what.
 
-    ``start``: earlier slices are done; ``exposed``: how many elements from
-    ``start`` on the failed run may have written (0 when it writes only after
+    ``start``: earlier slices (or pieces: ``why`` says which) are done; ``exposed``: how many
+    elements from ``start`` on the failed run may have written (0 when it writes only after
     success, or with ``RINGCORE_ATOMIC=1``); the rest are untouched. Ranks
     that disagree fail before any reduced data reaches the buffer.
     """
     if isinstance(err, MismatchError):
         exposed = 0
     if start:
-        err.add_note(
-            f"ringcore: elements [0, {start}) of {count} already hold the result (large buffers "
-            "are reduced slice by slice, RINGCORE_SLICE_BYTES)"
-        )
+        err.add_note(f"ringcore: elements [0, {start}) of {count} already hold the result ({why})")
     if exposed:
         err.add_note(
             f"ringcore: elements [{start}, {start + exposed}) of {count} may hold partial sums "

@@ -1,4 +1,4 @@
-"""Allreduce through the mailboxes on one host: one shot for small inputs, two shots up to 1 MiB.
+"""Allreduce through the mailboxes on one host: one shot for small inputs, two shots for mid-sized ones.
 
 A 4 KiB allreduce moves almost no bytes; its time is the ranks' waits for one
 another, and on a host with fewer cores than ranks every wait is a trip
@@ -84,9 +84,10 @@ shot's single add of the peer's input in another form, and wait once more
 Pieces. From three ranks, without ``RINGCORE_ATOMIC``, an input longer than a
 slot and below ``RINGCORE_DIRECT_BYTES`` (auto: only where the kernel's copies
 are slow, up to 8 MiB: ``ringcore.config.Settings.direct_from``) goes two-shot
-a slot's worth at a time: piece ``k``'s two posts carry ``seq | k << 32``, so a
-peer's post of the piece before, two posts back in the same slot, is never
-taken for this one. Piece ``k`` reaches the caller's buffer once its second
+a slot's worth at a time: piece ``k``'s two posts carry ``seq``'s low 32 bits
+and ``k`` above them, so a peer's post of the piece before, two posts back in
+the same slot, is never taken for this one (a post in a slot is at most two
+posts old, never 2**32 collectives). Piece ``k`` reaches the caller's buffer once its second
 post is met, so a failure in a later piece leaves the pieces before it reduced
 and the rest as it was, and the error's note says so
 (:func:`ringcore.slicing.note_failure`). Measured on that host at N=4, fast
@@ -127,7 +128,9 @@ if TYPE_CHECKING:
     from ringcore.transport.shm import ShmTransport
     from ringcore.transport.shm_mailbox import Mailbox
 
-PIECE_SHIFT = 32  # a piece's number in its posts' sequence word, above the collective's (Pieces)
+PIECE_SHIFT = 32  # a piece's number in its posts' sequence word, above the collective's low 32 bits (Pieces)
+_LOW = (1 << PIECE_SHIFT) - 1
+PIECES_WHY = "two shots reduce an input a mailbox slot (1 MiB) at a time"
 ABSENT, POSTED = 0, 1  # a rank's post: its input is not in it (the plan's form runs), or it is
 DECLINED_KEPT = 4096  # signatures kept in ctx.declined, then forgotten all at once (decline)
 
@@ -213,11 +216,11 @@ class TwoShotRoute(OneShotRoute):
         ctx, transport, mailbox = self.ctx, self.transport, self.transport.mailbox
         assert mailbox is not None
         reduce, rank, storage, itemsize = self._reducer(), self.rank, self.storage, self.storage.itemsize
-        done = 0  # elements [0, done) hold the result
+        done = exposed = 0  # elements [0, done) hold the result, the next ``exposed`` may be changing
         try:
             flat = host_array(self.plan, obj)
             for k, (lo, hi, parts) in enumerate(self.pieces):
-                number, nbytes = seq | (k << PIECE_SHIFT), (hi - lo) * itemsize
+                number, nbytes = (seq & _LOW) | (k << PIECE_SHIFT), (hi - lo) * itemsize
                 inputs = mailbox.inputs(mailbox.slot, nbytes, storage)
                 if flat is not None:
                     inputs[rank][...] = flat[lo:hi]
@@ -232,15 +235,15 @@ class TwoShotRoute(OneShotRoute):
                 share = parts[rank]
                 reduce(outputs[rank][share], [view[share] for view in inputs])
                 meet(ctx, transport, number, self.signature, POSTED, nbytes, "reduced share")
-                piece = flat[lo:hi]
+                piece, exposed = flat[lo:hi], hi - lo
                 for owner, part in enumerate(parts):
                     piece[part] = outputs[owner][part]
-                done = hi
+                done, exposed = hi, 0
         except BaseException as err:  # the peers wait for this rank's post: tell them
             try:
                 ctx.fail(Descriptor("allreduce", seq, *self.plan.fields), err)
             except BaseException as failed:
-                note_failure(failed, done, 0, self.plan.count)
+                note_failure(failed, done, exposed, self.plan.count, PIECES_WHY)
                 raise
         self.calls += 1
         return True

@@ -438,6 +438,9 @@ class ShmTransport:
         self.copyable = copyable = cma.Copyable()  # which of this rank's buffers peers may copy from
         self.copies_everywhere = False  # every rank may copy from and to every other (shm_setup agrees on it)
         self.slow_kernel_copies = False  # process_vm_readv is slow next to memmove here (agreed too)
+        self.kernel_copy_speeds: list[
+            float
+        ] = []  # each rank's measurement of it, in rank order but this one's first
         # This rank's direct-allreduce word in its own memory and the peers' addresses of theirs, read
         # where no mailboxes hold the words (ringcore.plans.direct, "Safety"; set by shm_setup).
         self.word: Any = None

@@ -48,8 +48,9 @@ import numpy as np
 from ringcore.transport.shm_ring import Segment
 
 # The largest input a mailbox holds: RINGCORE_DIRECT_BYTES' auto limit from three ranks, so that every
-# allreduce below the direct route's sizes fits the two-shot route (ringcore.plans.oneshot); broadcasts
-# and gathers up to it go one shot. Each rank's 2 MiB are reserved in /dev/shm at set-up (fallocate).
+# allreduce below the direct route's sizes fits the two-shot route (ringcore.plans.oneshot; longer ones,
+# where the limit is higher, go in pieces of it); broadcasts and gathers up to it go one shot. Each
+# rank's 2 MiB are reserved in /dev/shm at set-up (fallocate).
 SLOT_BYTES = 1024 * 1024
 _LINE = 64
 _HEAD = 2 * _LINE  # the asleep word's line, the safety word's line

@@ -164,6 +164,7 @@ def connect(
     if kernel_copies != "auto":
         transport.slow_kernel_copies = kernel_copies == "slow"
     elif transport.copies_everywhere and None not in speeds:  # the same list on every rank
+        transport.kernel_copy_speeds = speeds  # type: ignore[assignment]
         transport.slow_kernel_copies = statistics.median(speeds) < SLOW_KERNEL_COPIES  # type: ignore[type-var]
     transport.word = memory.word
     transport.peer_words = {peer: int(theirs[peer]["memory"].get("word", 0)) for peer in peer_pids}

@@ -22,6 +22,7 @@ def kernel_copies(comm: Any) -> dict[str, Any]:
 
     return {
         "slow": bool(getattr(comm.ctx.transport, "slow_kernel_copies", False)),
+        "speeds": list(getattr(comm.ctx.transport, "kernel_copy_speeds", [])),
         "direct_from": direct_from(comm.ctx),
     }
 
