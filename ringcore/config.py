@@ -212,7 +212,7 @@ class Settings:
         busbw from 384 KiB to 4 MiB, 1.13x at 8 MiB and 0.86x at 16 MiB; at N=4
         two shots 1.66-1.71x at 1 MiB and 1.2-1.7x from 2 to 16 MiB, where the
         ring had 0.70-0.87x, but where the two vCPUs' caches lie far apart
-        (spells of that host) two shots fell to 0.5-0.7x from 4 MiB.
+        (spells of that host) two shots fell to 0.4-0.8x from 4 MiB.
         """
         if self.direct_bytes is not None:
             return self.direct_bytes
