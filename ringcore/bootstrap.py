@@ -348,8 +348,9 @@ AGREED_SETTINGS = {
     "RINGCORE_HIERARCHICAL": "hierarchical",
     "RINGCORE_GPU_STAGING_BYTES": "gpu_staging_bytes",
     "RINGCORE_ATOMIC": "atomic",  # allreduces on one host go direct only without it
+    # before RINGCORE_DIRECT_BYTES, whose auto limit it moves: a difference here is named as itself
+    "RINGCORE_KERNEL_COPIES": "kernel_copies",
     "RINGCORE_DIRECT_BYTES": "direct_bytes",
-    "RINGCORE_KERNEL_COPIES": "kernel_copies",  # moves the direct route's auto limit
 }
 
 

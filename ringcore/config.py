@@ -286,9 +286,9 @@ AUTO_DIRECT_BYTES = 1 * MIB  # the direct route's auto limit (Settings.direct_fr
 AUTO_DIRECT_PAIR_BYTES = 384 * KIB  # ... for two ranks
 AUTO_DIRECT_SLOW_BYTES = 8 * MIB  # ... where the kernel's copies are slow (two shots in pieces below)
 AUTO_DIRECT_PAIR_SLOW_BYTES = 16 * MIB  # ... and for two ranks there (the ring below)
-SLOW_KERNEL_COPIES = (
-    0.375  # process_vm_readv / memmove speed below which they are (0.22-0.27 AMD, ~0.5 Intel)
-)
+# process_vm_readv's speed over memmove's below which the kernel's copies are slow (0.22-0.27 on an
+# AMD host, about 0.5 on an Intel one): Settings.direct_from
+SLOW_KERNEL_COPIES = 0.375
 
 
 def _spin(text: str) -> int | None:

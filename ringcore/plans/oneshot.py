@@ -178,10 +178,14 @@ class OneShotRoute:
 
     def _finish(self, flat: np.ndarray, inputs: list[np.ndarray], seq: int) -> None:
         """Every rank's input posted: reduce them all, in rank order, into the caller's buffer."""
+        self._reducer()(flat, inputs)
+
+    def _reducer(self) -> Any:
+        """The plan's reducer's ``reduce``, made once."""
         reduce = self._reduce
         if reduce is None:
             reduce = self._reduce = plan_reducer(self.plan).reduce
-        reduce(flat, inputs)
+        return reduce
 
 
 class TwoShotRoute(OneShotRoute):
@@ -247,12 +251,6 @@ class TwoShotRoute(OneShotRoute):
                 raise
         self.calls += 1
         return True
-
-    def _reducer(self) -> Any:
-        reduce = self._reduce
-        if reduce is None:
-            reduce = self._reduce = plan_reducer(self.plan).reduce
-        return reduce
 
     def _finish(self, flat: np.ndarray, inputs: list[np.ndarray], seq: int) -> None:
         mailbox = self.transport.mailbox

@@ -437,10 +437,10 @@ class ShmTransport:
         self.peer_pids = peer_pids or {}
         self.copyable = copyable = cma.Copyable()  # which of this rank's buffers peers may copy from
         self.copies_everywhere = False  # every rank may copy from and to every other (shm_setup agrees on it)
-        self.slow_kernel_copies = False  # process_vm_readv is slow next to memmove here (agreed too)
-        self.kernel_copy_speeds: list[
-            float
-        ] = []  # each rank's measurement of it, in rank order but this one's first
+        # process_vm_readv is slow next to memmove here (agreed too), and each rank's measurement
+        # of it (this rank's first, then its peers')
+        self.slow_kernel_copies = False
+        self.kernel_copy_speeds: list[float] = []
         # This rank's direct-allreduce word in its own memory and the peers' addresses of theirs, read
         # where no mailboxes hold the words (ringcore.plans.direct, "Safety"; set by shm_setup).
         self.word: Any = None

@@ -70,7 +70,7 @@ def connect(
     timeout: float,
     single_copy_bytes: int = 0,
     cache_bytes: int | None = 0,
-    kernel_copies: str = "fast",
+    kernel_copies: str = "auto",
 ) -> ShmTransport:
     """Find the peers on this host and connect to them through shared memory (module docstring).
 
@@ -85,7 +85,7 @@ def connect(
         kernel_copies: ``fast``, ``slow`` or ``auto`` (``RINGCORE_KERNEL_COPIES``): whether
             ``process_vm_readv`` is slow next to ``memmove`` here (``ShmTransport.slow_kernel_copies``);
             auto: where every rank may copy from every other, each measures it
-            (:func:`cma.relative_speed`) and all take the median.
+            (:func:`cma.relative_speed`) and all take the median; pinned ``slow`` too holds only there.
 
     Raises:
         PeerFailure: a peer died during set-up.
@@ -128,7 +128,7 @@ def connect(
                 _attach_mailbox(peer, str(answers[peer]["mailbox"]), boxes)
         boxed = box is not None and all(peer in boxes and peer in mapped for peer in peers)
         copies_all = len(local) == len(peers) and all(offers[peer]["writes"] for peer in local)
-        speed = cma.relative_speed() if copies_all and kernel_copies == "auto" else None
+        speed = (cma.relative_speed() or None) if copies_all and kernel_copies == "auto" else None
         said = {
             peer: {"mapped": peer in mapped, "copies_all": copies_all, "boxed": boxed, "copy_speed": speed}
             for peer in peers
@@ -160,12 +160,13 @@ def connect(
         control, made, mapped, answers, done, links, ours, bells, point_from, peer_pids, cache
     )
     transport.copies_everywhere = copies_all and all(done[peer].get("copies_all") for peer in peers)
-    speeds = [speed, *(done[peer].get("copy_speed") for peer in peers)]
-    if kernel_copies != "auto":
-        transport.slow_kernel_copies = kernel_copies == "slow"
-    elif transport.copies_everywhere and None not in speeds:  # the same list on every rank
-        transport.kernel_copy_speeds = speeds  # type: ignore[assignment]
-        transport.slow_kernel_copies = statistics.median(speeds) < SLOW_KERNEL_COPIES  # type: ignore[type-var]
+    said_speeds = [speed, *(done[peer].get("copy_speed") for peer in peers)]
+    speeds = [float(value) for value in said_speeds if value is not None]
+    if kernel_copies != "auto":  # pinned, but only where the direct route can run at all
+        transport.slow_kernel_copies = kernel_copies == "slow" and transport.copies_everywhere
+    elif transport.copies_everywhere and len(speeds) == len(said_speeds):  # the same list on every rank
+        transport.kernel_copy_speeds = speeds
+        transport.slow_kernel_copies = statistics.median(speeds) < SLOW_KERNEL_COPIES
     transport.word = memory.word
     transport.peer_words = {peer: int(theirs[peer]["memory"].get("word", 0)) for peer in peer_pids}
     if box is not None and boxed and all(done[peer].get("boxed") for peer in peers):
