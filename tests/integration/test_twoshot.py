@@ -133,14 +133,13 @@ def test_inputs_longer_than_a_slot_go_two_shot_in_pieces(size: int) -> None:
             check_allreduce(report["result"], inputs, op, where=f"rank {rank} atomic")
 
 
-@pytest.mark.timeout(90)
-def test_a_peer_dead_in_a_later_piece_fails_every_rank_naming_the_pieces_done(tmp_path: Path) -> None:
-    """Rank 1 kills itself at its fourth post (the second piece's share): the survivors' errors name
-    it, the first piece holds the result and the rest of the buffer is as it was."""
-    count = 300_000  # float32, 1.2 MB: two pieces
-    fault = (1, "kill9", str(tmp_path / "killed_at"), 1.0)  # round 0 posted four times
-    env = {"RINGCORE_TIMEOUT": "20", "RINGCORE_DIRECT_BYTES": "8M"}
-    with Cluster(3, env=env, timeout=60) as cluster:
+def _rank_1_killed_at_its_last_post(
+    tmp_path: Path, count: int, env: dict[str, str] | None = None
+) -> list[Any]:
+    """Three ranks allreduce ``count`` float32 until one fails; rank 1 kills itself in round 1 at the
+    post matching round 0's last. The survivors' reports (ranks 0 and 2), checked to name rank 1."""
+    fault = (1, "kill9", str(tmp_path / "killed_at"), 1.0)
+    with Cluster(3, env={"RINGCORE_TIMEOUT": "20", **(env or {})}, timeout=60) as cluster:
         doomed = Background(cluster, tasks.allreduce_until_failure, count, 3, fault, ranks=[1], timeout=90)
         working = Background(
             cluster, tasks.allreduce_until_failure, count, 3, fault, ranks=[0, 2], timeout=90
@@ -151,6 +150,16 @@ def test_a_peer_dead_in_a_later_piece_fails_every_rank_naming_the_pieces_done(tm
     for rank, report in zip([0, 2], reports, strict=True):
         assert report["error"] == qualified(ringcore.PeerFailure), (rank, report)
         assert report["peer"] == 1 and "rank 1" in report["message"], (rank, report)
+    return reports
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_dead_in_a_later_piece_fails_every_rank_naming_the_pieces_done(tmp_path: Path) -> None:
+    """Rank 1 kills itself at its fourth post (the second piece's share): the survivors' errors name
+    it, the first piece holds the result and the rest of the buffer is as it was."""
+    # float32, 1.2 MB: two pieces; round 0 posted four times, so rank 1 dies at its fourth post
+    env = {"RINGCORE_DIRECT_BYTES": "8M"}
+    for rank, report in zip([0, 2], _rank_1_killed_at_its_last_post(tmp_path, 300_000, env), strict=True):
         assert any("elements [0, 262144) of 300000 already hold the result" in n for n in report["notes"]), (
             report
         )
@@ -187,18 +196,7 @@ def test_atomic_allreduces_take_two_shots_and_symmetric_memory_still_goes_direct
 @pytest.mark.timeout(90)
 def test_a_peer_dead_between_the_two_posts_fails_every_rank_with_buffers_untouched(tmp_path: Path) -> None:
     """Rank 1 posts its input in round 1, then kills itself before posting its share."""
-    fault = (1, "kill9", str(tmp_path / "killed_at"), 1.0)  # the second of a round's two posts
-    with Cluster(3, env={"RINGCORE_TIMEOUT": "20"}, timeout=60) as cluster:
-        doomed = Background(cluster, tasks.allreduce_until_failure, COUNT, 3, fault, ranks=[1], timeout=90)
-        working = Background(
-            cluster, tasks.allreduce_until_failure, COUNT, 3, fault, ranks=[0, 2], timeout=90
-        )
-        reports = working.join(60)
-        (victim,) = doomed.join(30)
-    assert isinstance(victim, RankError) and victim.type_name == "dead", victim
-    for rank, report in zip([0, 2], reports, strict=True):
-        assert report["error"] == qualified(ringcore.PeerFailure), (rank, report)
-        assert report["peer"] == 1 and "rank 1" in report["message"], (rank, report)
+    for rank, report in zip([0, 2], _rank_1_killed_at_its_last_post(tmp_path, COUNT), strict=True):
         assert report["rounds"] == 1 and report["untouched"], (rank, report)
         assert report["exposed"] is None, (rank, report)  # nothing of the caller's buffer was written
 
