@@ -287,7 +287,7 @@ AUTO_DIRECT_PAIR_BYTES = 384 * KIB  # ... for two ranks
 AUTO_DIRECT_SLOW_BYTES = 8 * MIB  # ... where the kernel's copies are slow (two shots in pieces below)
 AUTO_DIRECT_PAIR_SLOW_BYTES = 16 * MIB  # ... and for two ranks there (the ring below)
 # process_vm_readv's speed over memmove's below which the kernel's copies are slow (0.22-0.27 on an
-# AMD host, about 0.5 on an Intel one): Settings.direct_from
+# AMD host, 0.52-0.53 on an Intel one): Settings.direct_from
 SLOW_KERNEL_COPIES = 0.375
 
 

@@ -245,8 +245,8 @@ def relative_speed(nbytes: int = PROBE_BYTES, rounds: int = PROBE_ROUNDS) -> flo
     ``memmove``'s, the best of ``rounds`` copies of ``nbytes`` each, both within this process (about 0.5 ms).
 
     The kernel pins and maps each page it copies; how much that costs next to
-    a plain copy in cache differs by host (0.22-0.27 on an AMD EPYC VM, about
-    0.5 on an Intel Xeon one), and so does which allreduce route is faster on
+    a plain copy in cache differs by host (0.22-0.27 on an AMD EPYC VM,
+    0.52-0.53 on an Intel Xeon one), and so does which allreduce route is faster on
     one host (:meth:`ringcore.config.Settings.direct_from`). 0.0 where the
     kernel refuses the copy.
     """
