@@ -355,15 +355,23 @@ AGREED_SETTINGS = {
 
 
 def _agreed_value(settings: Settings, field: str, size: int) -> Any:
-    """What a rank says about ``field``: its value, or for the direct route's limit the bytes it means
-    in a world of ``size`` where the kernel's copies prove fast and where slow, as far as
-    ``RINGCORE_KERNEL_COPIES`` leaves either open (auto and an explicit 1M agree from three ranks
-    with the copies pinned fast)."""
+    """What a rank says about ``field``: its value, or for the direct route's limit what it means in a
+    world of ``size``: where the direct route starts and where the mailboxes' shots stop, for every
+    verdict on the kernel's copies set-up may reach (auto and an explicit 1M agree from three ranks
+    with the copies pinned fast).
+
+    Pinned ``slow`` may still turn out fast (where ranks may not copy from each other), so only
+    ``fast`` leaves one verdict to compare.
+    """
     if field != "direct_bytes":
         return getattr(settings, field)
-    verdicts = {"fast": (False, False), "slow": (True, True)}.get(settings.kernel_copies, (False, True))
-    fast, slow = (settings.direct_from(size, slow) for slow in verdicts)
-    return fast if fast == slow else f"{fast} ({slow} if the kernel's copies prove slow)"
+    verdicts = (False,) if settings.kernel_copies == "fast" else (False, True)
+    said = [
+        f"direct from {settings.direct_from(size, slow)}, shots below {settings.mailboxes_below(size, slow)}"
+        + (" if the kernel's copies prove slow" if slow else "")
+        for slow in verdicts
+    ]
+    return "; ".join(said)
 
 
 def _me(host: str, listener: socket.socket, world: WorldSpec, settings: Settings) -> dict[str, Any]:

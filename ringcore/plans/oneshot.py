@@ -84,10 +84,12 @@ shot's single add of the peer's input in another form, and wait once more
 Pieces. From three ranks, without ``RINGCORE_ATOMIC``, an input longer than a
 slot and below ``RINGCORE_DIRECT_BYTES`` (auto: only where the kernel's copies
 are slow, up to 8 MiB: ``ringcore.config.Settings.direct_from``) goes two-shot
-a slot's worth at a time: piece ``k``'s two posts carry ``seq``'s low 32 bits
-and ``k`` above them, so a peer's post of the piece before, two posts back in
-the same slot, is never taken for this one (a post in a slot is at most two
-posts old, never 2**32 collectives). Piece ``k`` reaches the caller's buffer once its second
+a slot's worth at a time: piece 0's posts carry ``seq`` as every other route's
+do (so a rank whose input is one slot meets it there, and a mismatch is named,
+whatever ``seq``), piece ``k`` from 1 on ``seq``'s low 32 bits and ``k`` above
+them, so a peer's post of the piece before, two posts back in the same slot,
+is never taken for this one (a post in a slot is at most two posts old, never
+2**32 collectives). Piece ``k`` reaches the caller's buffer once its second
 post is met, so a failure in a later piece leaves the pieces before it reduced
 and the rest as it was, and the error's note says so
 (:func:`ringcore.slicing.note_failure`). Measured on that host at N=4, fast
@@ -178,7 +180,11 @@ class OneShotRoute:
 
     def _finish(self, flat: np.ndarray, inputs: list[np.ndarray], seq: int) -> None:
         """Every rank's input posted: reduce them all, in rank order, into the caller's buffer."""
-        self._reducer()(flat, inputs)
+        try:
+            self._reducer()(flat, inputs)
+        except BaseException as err:  # e.g. KeyboardInterrupt between two adds: the buffer is partly written
+            note_failure(err, 0, self.plan.count, self.plan.count)
+            raise
 
     def _reducer(self) -> Any:
         """The plan's reducer's ``reduce``, made once."""
@@ -224,7 +230,8 @@ class TwoShotRoute(OneShotRoute):
         try:
             flat = host_array(self.plan, obj)
             for k, (lo, hi, parts) in enumerate(self.pieces):
-                number, nbytes = (seq & _LOW) | (k << PIECE_SHIFT), (hi - lo) * itemsize
+                number = (seq & _LOW) | (k << PIECE_SHIFT) if k else seq  # piece 0: as any route posts
+                nbytes = (hi - lo) * itemsize
                 inputs = mailbox.inputs(mailbox.slot, nbytes, storage)
                 if flat is not None:
                     inputs[rank][...] = flat[lo:hi]
@@ -262,8 +269,12 @@ class TwoShotRoute(OneShotRoute):
             meet(self.ctx, self.transport, seq, self.signature, POSTED, self.nbytes, "reduced share")
         except BaseException as err:  # the peers wait for this rank's share: tell them
             self.ctx.fail(Descriptor("allreduce", seq, *self.plan.fields), err)
-        for rank, part in enumerate(self.shares):  # nothing can fail now: the caller's buffer is written
-            flat[part] = outputs[rank][part]
+        try:  # every share is reduced: the caller's buffer is written
+            for rank, part in enumerate(self.shares):
+                flat[part] = outputs[rank][part]
+        except BaseException as err:  # e.g. KeyboardInterrupt between two shares' copies
+            note_failure(err, 0, self.plan.count, self.plan.count)
+            raise
 
 
 def meet(

@@ -230,21 +230,43 @@ def test_another_op_on_one_rank_is_a_mismatch_naming_it() -> None:
         assert report["untouched"], (rank, report)
 
 
+@pytest.mark.timeout(90)
+def test_pieces_and_one_slot_meet_as_a_mismatch_past_2_32_collectives() -> None:
+    """Rank 0's input takes two pieces, the others' one slot, at collective number 2**32: piece 0 is
+    posted under the collective's whole number, as the one-slot route posts it, so every rank fails
+    with the MismatchError naming rank 0 instead of waiting for a post it cannot recognise."""
+    count = 256 * KIB  # 1 MiB of float32: one slot; rank 0 passes 1.5 MiB
+    with Cluster(3, env={"RINGCORE_DIRECT_BYTES": "8M", "RINGCORE_TIMEOUT": "10"}, timeout=60) as cluster:
+        reports = cluster.results(tasks.other_count_past_2_32, count, count * 3 // 2)
+    for rank, report in enumerate(reports):
+        assert report["error"] == "MismatchError", (rank, report)
+        assert "rank 0" in report["message"], (rank, report)
+        assert report["untouched"], (rank, report)
+
+
 def test_auto_and_an_explicit_direct_limit_agree_where_they_mean_the_same_bytes() -> None:
     """From three ranks with the kernel's copies pinned fast auto means 1 MiB, so a rank that sets
     1M agrees with the rest; at N=2 auto means 384 KiB, and where the copies may prove slow 8 MiB
-    from three ranks: the ranks fail at init naming both values."""
-    fast = {"RINGCORE_KERNEL_COPIES": "fast"}
-    for size, agree, common in ((3, True, fast), (2, False, fast), (3, False, {})):
+    from three ranks: the ranks fail at init naming both values. Pinned slow, an explicit limit
+    equal to slow auto's direct limit still differs: at N=2 auto's shots stop at 384 KiB, and
+    from three ranks pinned slow turns fast where ranks may not copy from each other."""
+    fast, slow = {"RINGCORE_KERNEL_COPIES": "fast"}, {"RINGCORE_KERNEL_COPIES": "slow"}
+    cases = (
+        (3, fast, "1M", ()),
+        (2, fast, "1M", ("393216", "1048576")),
+        (3, {}, "1M", ("8388608", "1048576")),
+        (2, slow, "16M", ("393216", "16777216")),
+        (3, slow, "8M", ("1048576", "8388608")),
+    )
+    for size, common, explicit, named in cases:
         port = free_port()
-        env = {**common, "RINGCORE_DIRECT_BYTES": "1M"}
+        env = {**common, "RINGCORE_DIRECT_BYTES": explicit}
         ranks = [start_rank(rank, size, port, env if rank == size - 1 else common) for rank in range(size)]
         reports = [json.loads(proc.communicate(timeout=60)[0].strip().splitlines()[-1]) for proc in ranks]
         for report in reports:
-            if agree:
-                assert report["error"] is None, report
+            if not named:
+                assert report["error"] is None, (size, common, report)
             else:
-                assert report["error"] == "ConfigError", report
+                assert report["error"] == "ConfigError", (size, common, report)
                 assert "RINGCORE_DIRECT_BYTES" in report["message"], report
-                auto = "393216" if size == 2 else "8388608"
-                assert auto in report["message"] and "1048576" in report["message"], report
+                assert all(number in report["message"] for number in named), (named, report)

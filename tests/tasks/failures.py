@@ -288,6 +288,26 @@ def _sliced_round(
     return None
 
 
+def other_count_past_2_32(comm: Any, count: int, longer: int) -> dict[str, Any]:
+    """Every rank's collective numbers moved on to 2**32, then rank 0 allreduces ``longer`` float32
+    where the others pass ``count``: the error (a MismatchError naming rank 0, not a timeout, where
+    rank 0's input takes the pieces and theirs one slot), and whether the buffer stayed as it was."""
+    import itertools
+
+    import ringcore
+
+    comm.barrier()
+    ticket = (1 << 32) - 1  # the next collective is number 2**32: its low 32 bits are 0
+    comm._tickets, comm._turn = itertools.count(ticket), ticket
+    x = np.arange(longer if comm.rank == 0 else count, dtype=np.float32)
+    before = x.copy()
+    try:
+        comm.allreduce(x)
+    except ringcore.RingcoreError as err:
+        return {"error": type(err).__name__, "message": str(err), "untouched": bool((x == before).all())}
+    return {"error": "none"}
+
+
 def other_op_on_rank_0(comm: Any, count: int) -> dict[str, Any]:
     """Sum and max layouts of ``count`` float32 kept on every rank, then rank 0 passes max where the
     others pass sum: the MismatchError's message, and whether the buffer stayed as it was."""
