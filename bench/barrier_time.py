@@ -15,9 +15,11 @@ import time
 import numpy as np
 
 import ringcore
+from ringcore.bench.usage import answer_help
 
 
 def main() -> None:
+    answer_help(__doc__)
     iters = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
     ringcore.init()
     for _ in range(max(10, iters // 10)):

@@ -35,7 +35,13 @@ _NO_REDOP = ("broadcast", "allgather")
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line, with nccl-tests' short flags."""
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="nccl-tests' all_reduce_perf (and friends) for ringcore. Give --np N to launch N "
+        "ranks, or run it under a launcher (ringcore-run -np N ringcore-bench ...); alone it is a "
+        "world of one rank, whose collectives move nothing (busbw 0).",
+        epilog="e.g. ringcore-bench --np 4 -b 4K -e 64M -f 4",
+    )
     add = parser.add_argument
     add("-b", "--minbytes", default="32M", help="smallest size, K/M/G suffixes (default 32M)")
     add("-e", "--maxbytes", default="32M", help="largest size (default 32M)")
@@ -46,7 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--budget", default="0", help="cap iterations at budget/size, at least 5 (default 0: no cap)")
     add("-c", "--check", type=int, choices=(0, 1), default=1, help="count wrong elements (default 1)")
     add("-o", "--op", choices=report.OPS, default="sum", help="reduction (default sum)")
-    add("-d", "--datatype", choices=list(report.DTYPE_ALIASES), default="float", help="element type")
+    add(
+        "-d",
+        "--datatype",
+        choices=list(report.DTYPE_ALIASES),
+        default="float",
+        help="element type (default float)",
+    )
     add("-r", "--root", type=int, default=0, help="broadcast root (default 0)")
     add("-t", "--test", choices=report.TESTS, default="allreduce", help="collective (default allreduce)")
     add("--compression", choices=("none", "fp16"), default="none", help="allreduce wire format")
@@ -102,6 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         sizes = _sizes(args)
+    except ValueError as exc:
+        parser.error(f"{'--sizes' if args.sizes else '-b/--minbytes or -e/--maxbytes'}: {exc}")
+    try:
         dtype = report.numpy_dtype(args.datatype)
         budget = report.parse_size(args.budget)
     except ValueError as exc:

@@ -52,6 +52,7 @@ import numpy as np
 import ringcore
 from ringcore.algo import lockstep
 from ringcore.api import communicator
+from ringcore.bench.usage import answer_help
 from ringcore.plans.base import run_steps
 from ringcore.plans.oneshot import OneShotRoute
 from ringcore.transport import shm_ring
@@ -195,6 +196,7 @@ def in_pattern(barrier: Callable[[], None], op: Callable[[], None], iters: int) 
 
 
 def main() -> None:
+    answer_help(__doc__)
     ringcore.init()
     size = ringcore.size()
     iters = int(sys.argv[1]) if len(sys.argv) > 1 else 20000 // size**2

@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from ringcore.bench.report import parse_size
+from ringcore.bench.usage import answer_help
 
 
 def copy_gbps(nbytes: int, repeats: int) -> float:
@@ -34,6 +35,7 @@ def copy_gbps(nbytes: int, repeats: int) -> float:
 
 
 def main() -> None:
+    answer_help(__doc__)
     sizes = (sys.argv[1] if len(sys.argv) > 1 else "4K,1M,16M,64M,256M").split(",")
     print(f"{'size':>8} {'copy GB/s':>10}")
     for text in sizes:

@@ -25,6 +25,7 @@ import numpy as np
 
 import ringcore
 from ringcore.bench.report import parse_size
+from ringcore.bench.usage import answer_help
 
 
 def peak_rss_mib() -> float:
@@ -41,6 +42,7 @@ def private_mib() -> float:
 
 
 def main() -> None:
+    answer_help(__doc__)
     nbytes = parse_size(sys.argv[1] if len(sys.argv) > 1 else "1G")
     mode = sys.argv[2] if len(sys.argv) > 2 else None
     compression = mode if mode != "symmetric" else None

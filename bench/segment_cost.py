@@ -23,10 +23,12 @@ import time
 import numpy as np
 
 import ringcore
+from ringcore.bench.usage import answer_help
 from ringcore.config import parse_size
 
 
 def main(argv: list[str]) -> None:
+    answer_help(__doc__, argv)
     if len(argv) < 2:
         raise SystemExit(__doc__)
     nbytes, segments = parse_size(argv[0]), [parse_size(s) for s in argv[1:]]

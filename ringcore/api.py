@@ -14,13 +14,14 @@ import numpy as np
 
 from ringcore.bootstrap import Meeting, bootstrap
 from ringcore.comm import Communicator, Handle
-from ringcore.config import Settings
+from ringcore.config import Settings, unknown_variables
 from ringcore.errors import RingcoreError
 from ringcore.rendezvous import WorldSpec, discover, listen_address
 
 _default: Communicator | None = None
 _lock = threading.Lock()
 _atexit_registered = False
+_unknown_warned = False  # unknown RINGCORE_* variables were warned about in this process
 _joiner: Callable[[], Communicator] | None = None  # ringcore.elastic's, under an elastic ringcore-run
 
 
@@ -53,6 +54,7 @@ def init(
             settings = Settings.from_env()
             world = discover(settings, rank=rank, size=size, addr=addr, port=port)
             _configure_logging(settings, world.rank)
+            _warn_unknown_variables(world.local_rank in (None, 0))
             _default = bootstrap(world, settings)
         if not _atexit_registered:
             atexit.register(shutdown)
@@ -85,6 +87,7 @@ def new_communicator(
     host = listen_address(settings, addr, 9) if rank == 0 and size > 1 else addr
     world = WorldSpec(rank, size, None, None, host, 0, "a shared store")
     _configure_logging(settings, rank)
+    _warn_unknown_variables(rank == 0)
     return bootstrap(world, settings, meeting)
 
 
@@ -197,6 +200,19 @@ class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank, record.host = self.rank, self.host
         return True
+
+
+def _warn_unknown_variables(speaks: bool) -> None:
+    """Warn once per process (from one rank a host: ``speaks``) about ``RINGCORE_*`` variables nothing reads."""
+    global _unknown_warned
+    if _unknown_warned or not speaks:
+        return
+    _unknown_warned = True
+    unknown = unknown_variables()
+    if unknown:
+        logging.getLogger("ringcore").warning(
+            'ignoring %s: no such ringcore setting (README, "Environment variables")', ", ".join(unknown)
+        )
 
 
 def _configure_logging(settings: Settings, rank: int) -> None:

@@ -252,10 +252,16 @@ def _open_rdma(store: StoreClient, world: WorldSpec, settings: Settings) -> tupl
         except CollectiveTimeout:
             if device is not None:
                 device.close()
+            # under auto (the default) this is the first wait for the other ranks: say it as such
+            what = (
+                "publish its RDMA queue pairs (or that it has none)"
+                if settings.transport == "ibverbs"
+                else f"join the rendezvous at {world.addr}:{world.port}"
+            )
             raise CollectiveTimeout(
-                f"rank {world.rank}: rank {rank} did not publish its RDMA queue pairs (or that it has "
-                f"none) within {settings.init_timeout:g} s (RINGCORE_INIT_TIMEOUT); is it running, with "
-                f"the same world size, RINGCORE_SECRET and RINGCORE_TRANSPORT?{_rejected(store)}"
+                f"rank {world.rank}: rank {rank} did not {what} within {settings.init_timeout:g} s "
+                "(RINGCORE_INIT_TIMEOUT); is it running, with the same world size, RINGCORE_SECRET and "
+                f"RINGCORE_TRANSPORT?{_rejected(store)}"
             ) from None
     failed = {rank: r["error"] for rank, r in enumerate(records) if "error" in r}
     if not failed:

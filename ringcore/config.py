@@ -8,6 +8,7 @@ conventions of torchrun, OpenMPI and Slurm are read in
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Mapping
 
@@ -122,7 +123,7 @@ class Settings:
             direct_bytes=reader.size_or_auto("RINGCORE_DIRECT_BYTES", minimum=0),
             kernel_copies=_choice("RINGCORE_KERNEL_COPIES", env.get("RINGCORE_KERNEL_COPIES"), KERNEL_COPIES),
             spin_us=_spin(env.get("RINGCORE_SPIN_US", "auto")),
-            log_level=env.get("RINGCORE_LOG_LEVEL", cls.log_level).upper(),
+            log_level=_choice("RINGCORE_LOG_LEVEL", env.get("RINGCORE_LOG_LEVEL"), LOG_LEVELS).upper(),
             secret=env["RINGCORE_SECRET"].encode() if "RINGCORE_SECRET" in env else None,
             handshake_timeout=reader.float("RINGCORE_HANDSHAKE_TIMEOUT", cls.handshake_timeout),
             port_range=_port_range(env.get("RINGCORE_PORT_RANGE", "")),
@@ -355,6 +356,27 @@ class _Reader:
 
 TRANSPORTS = ("tcp", "shm", "ibverbs", "auto")
 KERNEL_COPIES = ("auto", "fast", "slow")
+LOG_LEVELS = ("warning", "debug", "info", "error", "critical")
+# RINGCORE_* variables read outside Settings (README, "Environment variables"): ringcore-run's
+# binding and ringcore.kernels.casts' switch; RINGCORE_TEST_* belong to the test suite.
+OTHER_VARIABLES = frozenset({"RINGCORE_BIND_TO", "RINGCORE_TORCH_CASTS"})
+
+
+def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:
+    """The ``RINGCORE_*`` names in ``env`` (default: ``os.environ``) that no part of ringcore reads,
+    each with the known name it most resembles where there is one: ``init()`` warns about them,
+    since a misspelt setting would otherwise run silently with its default."""
+    env = os.environ if env is None else env
+    known = {f"RINGCORE_{field.name.upper()}" for field in dataclasses.fields(Settings)} | OTHER_VARIABLES
+    said = []
+    for name in sorted(env):
+        if not name.startswith("RINGCORE_") or name in known or name.startswith("RINGCORE_TEST_"):
+            continue
+        close = difflib.get_close_matches(
+            name[9:], [known_name[9:] for known_name in known], n=1, cutoff=0.75
+        )
+        said.append(f"{name} (did you mean RINGCORE_{close[0]}?)" if close else name)
+    return said
 
 
 def _choice(name: str, text: str | None, choices: tuple[str, ...]) -> str:

@@ -5,8 +5,9 @@ Hosts are read as Open MPI and Horovod read them:
 - ``-H hostA:4,hostB:4`` (``--host``): comma-separated ``name[:slots]``, one
   slot when the count is left out (IPv6 addresses in brackets: ``[fe80::1]:2``);
 - ``--hostfile FILE``: one host a line, ``name [slots=N] [max_slots=M]``
-  (``max_slots`` is accepted and ignored), ``#`` starts a comment, blank lines
-  are skipped. A name given twice adds up its slots, as Open MPI does.
+  (``max_slots`` is accepted and ignored) or ``name:N`` (as ``-H`` and host
+  discovery scripts write it), ``#`` starts a comment, blank lines are
+  skipped. A name given twice adds up its slots, as Open MPI does.
 
 A name may carry a user (``alice@hostA``), which only ssh sees. Ranks fill the
 hosts' slots in order (rank 0 on the first slot of the first host, Open MPI's
@@ -90,7 +91,7 @@ def parse_host_list(text: str) -> list[Host]:
 
 
 def parse_hostfile(path: str | Path) -> list[Host]:
-    """Parse a hostfile: ``name [slots=N] [max_slots=M]`` lines, ``#`` comments.
+    """Parse a hostfile: ``name [slots=N] [max_slots=M]`` or ``name:N`` lines, ``#`` comments.
 
     Raises:
         HostError: The file cannot be read, names no host, or has a line that is not understood.
@@ -110,6 +111,10 @@ def parse_hostfile(path: str | Path) -> list[Host]:
 
 
 def _hostfile_line(words: list[str], where: str) -> Host:
+    name, colon, count = words[0].rpartition(":")
+    bracketed = name.startswith("[") and name.endswith("]")  # [fe80::1]:2
+    if colon and len(words) == 1 and count.isdigit() and (":" not in name or bracketed):  # host:N
+        return Host(name[1:-1] if bracketed else name, _slots(count, f"{where}: {words[0]!r}"))
     slots = 1
     for word in words[1:]:
         key, equals, value = word.partition("=")
@@ -117,7 +122,7 @@ def _hostfile_line(words: list[str], where: str) -> Host:
             count = _slots(value, f"{where}: {word!r}")
             slots = count if key == "slots" else slots
         else:
-            raise HostError(f"{where}: {word!r} not understood; write 'host slots=N'")
+            raise HostError(f"{where}: {word!r} not understood; write 'host slots=N' or 'host:N'")
     return Host(words[0], slots)
 
 

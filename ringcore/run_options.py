@@ -35,7 +35,9 @@ import sys
 from collections.abc import Sequence
 
 from ringcore import hosts
+from ringcore.config import Settings
 from ringcore.elastic_workers import ElasticOptions
+from ringcore.errors import ConfigError
 from ringcore.processes import PROG
 from ringcore.remote import SshOptions
 
@@ -293,6 +295,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     args = parser.parse_args(argv)
     if args.bind_to not in ("core", "none"):
         parser.error(f"RINGCORE_BIND_TO must be core or none, got {args.bind_to!r}")
+    try:  # every rank reads this environment: a bad value is said once here, not by every rank
+        Settings.from_env()
+    except ConfigError as err:
+        parser.error(f"{err} (in the environment every rank inherits)")
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]

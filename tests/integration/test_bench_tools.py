@@ -209,3 +209,12 @@ def test_ab_floor_checks_both_engines_and_prints_the_ratio_per_block() -> None:
     ratios = re.findall(r"N=2 +(\w+) ringcore/floor-ring per block: ([\d.]+) ([\d.]+) +median", proc.stdout)
     assert [size for size, *_ in ratios] == ["64K", "1M"], proc.stdout
     assert all(float(r) > 0 for _, *values in ratios for r in values)
+
+
+@pytest.mark.parametrize(
+    "script", ["memory", "memcpy", "barrier_time", "latency_layers", "segment_cost", "compare"]
+)
+def test_bench_scripts_answer_help_with_how_to_run_them(script: str) -> None:
+    done = _run_bench([sys.executable, f"bench/{script}.py", "--help"], timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "python" in done.stdout and "Traceback" not in done.stderr, (done.stdout, done.stderr)

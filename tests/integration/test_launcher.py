@@ -189,6 +189,18 @@ def test_no_binding_when_told_by_flag_or_environment(monkeypatch: pytest.MonkeyP
     assert "RINGCORE_BIND_TO must be core or none, got 'sockets'" in refused.stderr
 
 
+def test_a_bad_setting_is_refused_once_before_any_rank_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Every rank would fail ``init`` on it, each with a traceback: the launcher says it once and exits 2."""
+    monkeypatch.setenv("RINGCORE_TIMEOUT", "soon")
+    started = tmp_path / "started"
+    refused = launch("-np", 2, sys.executable, "-c", f"open({str(started)!r}, 'a').write('x')")
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.count("RINGCORE_TIMEOUT='soon' is not a number of seconds") == 1, refused.stderr
+    assert not started.exists()
+
+
 @pytest.mark.timeout(90)
 def test_output_lines_are_prefixed_and_never_interleaved(tmp_path: Path) -> None:
     script = write_script(

@@ -252,6 +252,8 @@ def test_store_host_giving_up_first_hides_the_culprit(tmp_path: Path) -> None:
     reports = run_init_fault("absent", 3, 1, stamp, {2: 2.0})
     assert all(report["is_ringcore_error"] for report in reports.values()), reports
     assert "rank 1" in reports[0]["message"], reports[0]
+    # the default transport (auto) waits for rank 1 first in the RDMA exchange: still a missing rank
+    assert "rank 1 did not join the rendezvous" in reports[0]["message"], reports[0]
     assert "rank 1" in reports[2]["message"], f"rank 2 is not told that rank 1 is missing: {reports[2]}"
 
 

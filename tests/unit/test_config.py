@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from ringcore.config import AUTO_SPIN_US, KIB, MIB, SCRATCH_SLICE_BYTES, Settings, assignments, parse_size
+from ringcore.config import (
+    AUTO_SPIN_US,
+    KIB,
+    MIB,
+    SCRATCH_SLICE_BYTES,
+    Settings,
+    assignments,
+    parse_size,
+    unknown_variables,
+)
 from ringcore.errors import ConfigError
 
 
@@ -193,3 +208,52 @@ def test_assignments_name_known_settings_with_values_init_accepts() -> None:
         assignments("SHM_CACHE_BYTE=0")
     with pytest.raises(ConfigError, match="RINGCORE_SPIN_US='x'"):
         assignments("SPIN_US=x")
+
+
+def test_a_bad_log_level_is_refused_naming_the_levels() -> None:
+    assert Settings.from_env({"RINGCORE_LOG_LEVEL": "Info"}).log_level == "INFO"
+    with pytest.raises(ConfigError, match="RINGCORE_LOG_LEVEL='bogus' is not one of warning, debug"):
+        Settings.from_env({"RINGCORE_LOG_LEVEL": "bogus"})
+
+
+def test_unknown_variables_are_named_with_the_setting_they_resemble() -> None:
+    env = {
+        "RINGCORE_TRANSPRT": "tcp",
+        "RINGCORE_KERNEL_COPY": "slow",
+        "RINGCORE_FOO": "1",
+        "RINGCORE_TRANSPORT": "tcp",  # known: a Settings field
+        "RINGCORE_BIND_TO": "none",  # known: ringcore-run's
+        "RINGCORE_TORCH_CASTS": "0",  # known: ringcore.kernels.casts'
+        "RINGCORE_TEST_EXAMPLES": "4",  # the test suite's own
+        "PATH": "/bin",
+    }
+    assert unknown_variables(env) == [
+        "RINGCORE_FOO",
+        "RINGCORE_KERNEL_COPY (did you mean RINGCORE_KERNEL_COPIES?)",
+        "RINGCORE_TRANSPRT (did you mean RINGCORE_TRANSPORT?)",
+    ]
+
+
+def test_every_variable_the_code_reads_is_known() -> None:
+    """A variable read anywhere in the package but missing from what ``unknown_variables`` knows would
+    be reported to users as a misspelling."""
+    root = Path(__file__).resolve().parents[2]
+    sources = [*root.glob("ringcore/**/*.py"), *root.glob("bindings/**/*.py")]
+    named = {
+        name
+        for path in sources
+        for name in re.findall(r"[\"'](RINGCORE_[A-Z0-9_]*[A-Z0-9])[\"']", path.read_text())
+    }
+    assert len(named) > 30, named
+    assert unknown_variables(dict.fromkeys(named, "")) == []
+
+
+def test_init_warns_once_about_a_misspelt_variable() -> None:
+    env = {**os.environ, "RINGCORE_TRANSPRT": "tcp"}
+    env.pop("RINGCORE_TRANSPORT", None)
+    code = "import ringcore; ringcore.init(); ringcore.shutdown()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("ignoring RINGCORE_TRANSPRT (did you mean RINGCORE_TRANSPORT?)") == 1, (
+        done.stderr
+    )
