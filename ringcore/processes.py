@@ -43,6 +43,9 @@ DRAIN_SECONDS = 5.0
 # --------------------------------------------------------------------------- output
 
 
+_NO_RINGCORE = b"No module named 'ringcore"  # a rank's Python without ringcore: not the environment's
+
+
 class Sink:
     """Writes whole lines to the launcher's stdout/stderr, one line at a time.
 
@@ -55,9 +58,12 @@ class Sink:
         self._prefix = prefix
         self._lock = threading.Lock()
         self._broken: set[str] = set()
+        self.missing_ringcore = False  # a rank said its Python has no ringcore (the hint after a failure)
 
     def rank_line(self, rank: int, stream: str, line: bytes) -> None:
         """Write one line that ``rank`` printed on ``stream`` (``"stdout"``/``"stderr"``)."""
+        if stream == "stderr" and not self.missing_ringcore and _NO_RINGCORE in line:
+            self.missing_ringcore = True
         if self._prefix:
             text = line.decode("utf-8", errors="replace").removesuffix("\n")
             line = f"[{rank}]<{stream}>: {text}\n".encode()

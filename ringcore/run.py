@@ -296,6 +296,11 @@ def supervise(job: Job, options: Options, catcher: SignalCatcher) -> int:
 def _stop(job: Job, options: Options, reason: str, code: int) -> int:
     stopped = job.stop(options.grace)
     job.sink.message(reason + stopped_suffix(stopped))
+    if job.sink.missing_ringcore:
+        job.sink.message(
+            f"the ranks' {options.command[0]!r} cannot import ringcore; activate the environment it is "
+            f"installed in, or give that Python's path (this launcher runs {sys.executable})"
+        )
     return code
 
 

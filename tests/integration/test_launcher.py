@@ -189,6 +189,21 @@ def test_no_binding_when_told_by_flag_or_environment(monkeypatch: pytest.MonkeyP
     assert "RINGCORE_BIND_TO must be core or none, got 'sockets'" in refused.stderr
 
 
+def test_a_python_without_ringcore_gets_a_hint_after_the_failure() -> None:
+    """A rank whose ``python`` is not the environment's fails importing ringcore: the launcher names
+    the failing rank, then says which Python it runs itself (the usual cause: a venv not activated)."""
+    no_ringcore = "raise ModuleNotFoundError(\"No module named 'ringcore'\")"
+    failed = launch("-np", 2, sys.executable, "-c", no_ringcore)
+    assert failed.returncode == 1, failed.stderr
+    assert "exited with code 1" in failed.stderr
+    assert (
+        "cannot import ringcore; activate the environment" in failed.stderr
+        and sys.executable in failed.stderr
+    )
+    other = launch("-np", 1, sys.executable, "-c", "raise SystemExit(3)")
+    assert other.returncode == 3 and "cannot import ringcore" not in other.stderr, other.stderr
+
+
 def test_a_bad_setting_is_refused_once_before_any_rank_starts(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
