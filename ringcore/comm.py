@@ -45,7 +45,9 @@ disagree) first tells every peer (an ABORT frame with the reason), so all
 ranks fail promptly with an error that names the culprit, then marks the
 communicator broken: later calls raise :class:`CommunicatorClosed` until
 ``shutdown()`` and a new ``init()``. A failure before any data moved (bad
-arguments, ranks that disagree) leaves the caller's buffer untouched. A peer
+arguments, ranks that disagree) leaves the caller's buffer untouched (but for
+hosts that disagree in a hierarchical allreduce: the note says which elements
+changed). A peer
 that dies mid-allreduce can leave it partly reduced, as with Gloo and NCCL,
 unless ``RINGCORE_ATOMIC=1`` (one more copy of the buffer per allreduce); the
 error's note says which elements (see :mod:`ringcore.slicing`).
@@ -237,7 +239,8 @@ class Communicator:
         Raises:
             TypeError, ValueError: bad arguments (before anything is sent).
             MismatchError, PeerFailure, CollectiveTimeout: see ``ringcore.errors``.
-                After a mismatch ``buf`` is untouched. After a peer failure or
+                After a mismatch ``buf`` is untouched (the hierarchical allreduce
+                across hosts that disagree: the note says otherwise). After a peer failure or
                 timeout the error's note says which elements may be partly
                 reduced (none with ``RINGCORE_ATOMIC=1``) and, above
                 ``RINGCORE_SLICE_BYTES``, which already hold the result.

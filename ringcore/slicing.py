@@ -173,15 +173,18 @@ def failure_note(start: int, exposed: int, count: int) -> Iterator[None]:
 SLICES_WHY = "large buffers are reduced slice by slice, RINGCORE_SLICE_BYTES"
 
 
-def note_failure(err: BaseException, start: int, exposed: int, count: int, why: str = SLICES_WHY) -> None:
+def note_failure(
+    err: BaseException, start: int, exposed: int, count: int, why: str = SLICES_WHY, early: bool = False
+) -> None:
     """Add notes to ``err`` saying which of the buffer's ``count`` elements hold what.
 
     ``start``: earlier slices (or pieces: ``why`` says which) are done; ``exposed``: how many
     elements from ``start`` on the failed run may have written (0 when it writes only after
     success, or with ``RINGCORE_ATOMIC=1``); the rest are untouched. Ranks
-    that disagree fail before any reduced data reaches the buffer.
+    that disagree fail before any reduced data reaches the buffer, except where the run wrote
+    it ``early`` (``Schedule.early_user``: before every rank's frames reached this one).
     """
-    if isinstance(err, MismatchError):
+    if isinstance(err, MismatchError) and not early:
         exposed = 0
     if start:
         err.add_note(f"ringcore: elements [0, {start}) of {count} already hold the result ({why})")

@@ -49,7 +49,9 @@ then leaves the regions it had written partly reduced, as Gloo, NCCL and MPI
 do. Only a dead or stalled peer can fail a run after USER is written: every
 rank's signature has been checked, directly or through the ring (or the
 halving pairs), before any rank's reduced data can reach USER, so a mismatch
-never touches it. :func:`check_in_place` refuses, before anything is sent,
+never touches it; the hierarchical allreduce in place is the exception
+(``Schedule.early_user``: its local rounds write USER before frames from other
+hosts arrive). :func:`check_in_place` refuses, before anything is sent,
 an in-place schedule whose WORK cannot hold the backups.
 """
 

@@ -97,6 +97,9 @@ class Schedule:
     result: Region | None
     prefill_work: bool = False  # WORK must hold this rank's input (in the wire dtype) before the run
     ramp: int = 0  # short segments at each end of every region (see segment_bounds)
+    # writes the caller's buffer before every rank's frames (and so its signature) reached this rank:
+    # a mismatch found later leaves partial sums there (the hierarchical allreduce in place)
+    early_user: bool = False
 
     @functools.cached_property
     def buffers(self) -> set[Buf]:

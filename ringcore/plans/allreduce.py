@@ -226,7 +226,7 @@ class AllreducePlan:
                     ctx.fail(Descriptor("allreduce", seq, *self.fields), err)
             except BaseException as err:
                 exposed = count if writes_user(schedule) and not atomic else 0
-                note_failure(err, start, exposed, self.count)
+                note_failure(err, start, exposed, self.count, early=schedule.early_user)
                 raise
 
     def _general(self, obj: Any, seq: int) -> None:
@@ -254,7 +254,7 @@ class AllreducePlan:
                 ctx.execute(desc, schedule, arrays, reducer, sub=part)
             except BaseException as err:  # a plain try: a context manager costs small allreduces
                 exposed = piece.count if writes_user(schedule) and not ctx.settings.atomic else 0
-                note_failure(err, start, exposed, buffer.count)
+                note_failure(err, start, exposed, buffer.count, early=schedule.early_user)
                 raise
             if schedule.result is not None and schedule.result.buf != Buf.USER:
                 reducer.convert(piece.array, arrays[Buf.WORK])

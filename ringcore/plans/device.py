@@ -59,7 +59,7 @@ def allreduce(ctx: Context, desc: Descriptor, buffer: Buffer, op: ReduceOp, comp
                 ctx.execute(desc, schedule, arrays, reducer, sub=part, staging=dev.staging)
             except BaseException as err:
                 exposed = count if writes_user(schedule) and not ctx.settings.atomic else 0
-                note_failure(err, start, exposed, buffer.count)
+                note_failure(err, start, exposed, buffer.count, early=schedule.early_user)
                 raise
             if schedule.result is not None and schedule.result.buf != Buf.USER:
                 reducer.convert(piece, arrays[Buf.WORK])

@@ -132,6 +132,28 @@ def test_the_flat_ring_and_the_atomic_form_agree_exactly() -> None:
 
 
 @pytest.mark.timeout(240)
+def test_hosts_that_disagree_fail_every_rank_and_say_what_reached_the_buffer() -> None:
+    """host-a passes sum, host-b max: every rank fails with MismatchError. In place the local rounds
+    sum into the caller's buffer before the other host's frames arrive, so a buffer that changed must
+    carry the note naming its elements; the atomic form (out of place) leaves every buffer as it was."""
+    ops = ["sum" if host == "host-a" else "max" for host in HOSTS]
+    count = 1 << 18  # 1 MiB of float32: above the small limit, the hierarchical allreduce
+    for atomic in ("0", "1"):
+        env = {"RINGCORE_TRANSPORT": "auto", "RINGCORE_TIMEOUT": "20", "RINGCORE_ATOMIC": atomic}
+        with Cluster(4, env=env, timeout=60, hostnames=HOSTS) as cluster:
+            reports = cluster.results(tasks.op_by_rank, count, ops)
+        for rank, report in enumerate(reports):
+            assert report["error"] == "MismatchError", (atomic, rank, report)
+            if atomic == "1":
+                assert report["untouched"], (rank, report)
+            elif not report["untouched"]:
+                assert f"elements [0, {count}) of {count} may hold partial sums" in report["notes"], (
+                    rank,
+                    report,
+                )
+
+
+@pytest.mark.timeout(240)
 def test_a_killed_rank_is_named_by_every_other_rank(tmp_path: Path) -> None:
     """kill -9 of a rank halfway through its sends: its host's peer and both ranks of the other host name it."""
     victim = 3

@@ -308,6 +308,21 @@ def other_count_past_2_32(comm: Any, count: int, longer: int) -> dict[str, Any]:
     return {"error": "none"}
 
 
+def op_by_rank(comm: Any, count: int, ops: list[str]) -> dict[str, Any]:
+    """An allreduce of ``count`` float32 with op ``ops[rank]``: the error, its notes and whether the
+    buffer stayed as it was."""
+    import ringcore
+
+    x = np.arange(count, dtype=np.float32) + comm.rank
+    before = x.copy()
+    try:
+        comm.allreduce(x, op=ops[comm.rank])
+    except ringcore.RingcoreError as err:
+        notes = " ".join(getattr(err, "__notes__", []))
+        return {"error": type(err).__name__, "notes": notes, "untouched": bool((x == before).all())}
+    return {"error": "none"}
+
+
 def other_op_on_rank_0(comm: Any, count: int) -> dict[str, Any]:
     """Sum and max layouts of ``count`` float32 kept on every rank, then rank 0 passes max where the
     others pass sum: the MismatchError's message, and whether the buffer stayed as it was."""
