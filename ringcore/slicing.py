@@ -6,7 +6,7 @@ runs as a sequence of complete collectives over equal slices
 (:func:`slice_bounds`, tags numbered by slice), which bounds scratch memory
 by the slice (an allreduce's slice: :func:`allreduce_slice_bytes`; on the
 host the bound counts the pages touched, while GPU pools hold a whole slice
-per buffer). Host and GPU plans (:mod:`ringcore.plans`,
+of each buffer the schedule uses). Host and GPU plans (:mod:`ringcore.plans`,
 :mod:`ringcore.plans.device`) take the same slices and the same schedule for
 each (:func:`allreduce_schedule`), so host and GPU ranks share a ring at
 every size. A failure in slice k leaves the slices before it reduced and

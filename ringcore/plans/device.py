@@ -37,9 +37,9 @@ def allreduce(ctx: Context, desc: Descriptor, buffer: Buffer, op: ReduceOp, comp
 
     The slices, each slice's schedule and its tags are the host plan's
     (:mod:`ringcore.slicing`), so host and device ranks share a ring at every
-    size, and device scratch is one slice's WORK and STAGE (the in-place
-    hierarchical allreduce's slices are L/(L-1) times as long:
-    ``slicing.allreduce_slice_bytes``).
+    size, and device scratch is a slice of each buffer the schedule uses (WORK
+    and STAGE; STAGE alone for the in-place hierarchical allreduce at two ranks a
+    host, whose slices are L/(L-1) times as long: ``slicing.allreduce_slice_bytes``).
     """
     dev = ctx.device_context()
     user = dev.layer.wrap(buffer)  # first: it tells the layer which GPU this process uses

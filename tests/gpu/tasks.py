@@ -118,6 +118,12 @@ def mixed_ring(comm: Any, inputs: list[np.ndarray], op: str, compression: str | 
     return _bits(x)
 
 
+def device_scratch(comm: Any) -> dict[str, int]:
+    """Bytes of device scratch this rank holds, by buffer (none on a rank that never passed a GPU buffer)."""
+    dev = comm.ctx._device
+    return {} if dev is None else dev.scratch_bytes()
+
+
 def use_mock_cupy(comm: Any) -> None:
     """Make this rank's GPU buffers go through ringcore's CuPy layer over tests/gpu/mock_cupy.py."""
     import sys

@@ -197,7 +197,11 @@ def test_mixed_ring_agrees_on_the_hierarchical_path() -> None:
     hostnames = ["host-a", "host-b", "host-a", "host-b"]
     with Cluster(size, env={**RING_ENV, "RINGCORE_TRANSPORT": "auto"}, hostnames=hostnames) as cluster:
         cluster.results(tasks.use_fake, 4)
-        check_mixed_ring(cluster, inputs, "hierarchical mixed ring")
+        check_mixed_ring(cluster, inputs, "hierarchical mixed ring", cases=(("sum", None),))
+        # in place at two ranks a host the schedule's scratch is STAGE alone: no WORK pool on the device
+        for rank, held in enumerate(cluster.results(tasks.device_scratch)):
+            assert held == ({"STAGE": 20_001 * 4} if rank % 2 else {}), (rank, held)
+        check_mixed_ring(cluster, inputs, "hierarchical mixed ring", cases=(("avg", "fp16"),))
         for root in (0, 3):
             for got in cluster.results(tasks.fake_broadcast, inputs, root):
                 np.testing.assert_array_equal(got, inputs[root])
