@@ -55,6 +55,7 @@ registered for ``devices=["cpu"]``.
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -74,10 +75,14 @@ from ringcore.torch.work import RingcoreWork
 __all__ = ["BACKEND", "RingcoreProcessGroup", "RingcoreWork", "communicator", "register", "ringcore_group"]
 
 BACKEND = "ringcore"
+LEAVE_WAIT = 10.0  # seconds a rank waits in shutdown() for rank 0 to leave first
+_LEFT_KEY = "ringcore/left"  # in torch's store of the group, set by rank 0 on its way out
+log = logging.getLogger("ringcore")
 
 _IMPLEMENTED = (
     "all_reduce, all_reduce_coalesced, broadcast, all_gather, all_gather_single (all_gather_into_tensor), "
-    "reduce_scatter, reduce_scatter_single (reduce_scatter_tensor), barrier"
+    "reduce_scatter, reduce_scatter_single (reduce_scatter_tensor), barrier, reduce, gather, scatter, "
+    "all_gather_into_tensor_coalesced, reduce_scatter_tensor_coalesced"
 )
 _OPS = {
     dist.ReduceOp.RedOpType.SUM: "sum",
@@ -107,7 +112,7 @@ def _create(store: dist.Store, rank: int, size: int, timeout: timedelta | None) 
     """The backend's creator: torch calls it on every rank of a new group."""
     addr = store_host(store) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     comm = ringcore.new_communicator(rank, size, store, addr=addr, timeout=collective_timeout(timeout))
-    return RingcoreProcessGroup(comm)
+    return RingcoreProcessGroup(comm, store)
 
 
 def store_host(store: dist.Store) -> str | None:
@@ -207,20 +212,52 @@ def _unsupported(call: str) -> Callable[..., NoReturn]:
 class RingcoreProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on ``comm`` (see the module docstring)."""
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, store: dist.Store | None = None) -> None:
         super().__init__(comm.rank, comm.size)
         self.comm = comm
+        self._store = store  # torch's, where the group met: the ranks leave shutdown() through it
         self._finalizer = weakref.finalize(self, comm.shutdown)
 
     def getBackendName(self) -> str:
         return BACKEND
 
+    def _set_group_name(self, name: str) -> None:
+        """torch names every group it makes; the name lives on a C++ backend this group has none of."""
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        """The name torch gave the group (functional collectives and device meshes look groups up by it)."""
+        name = getattr(self, "_group_name", None)
+        if name is None:
+            raise RuntimeError("ProcessGroup name not set")
+        return name
+
     def __repr__(self) -> str:
         return f"RingcoreProcessGroup(rank={self.comm.rank}, size={self.comm.size})"
 
     def shutdown(self) -> None:
-        """Close the communicator (``dist.destroy_process_group`` calls it)."""
+        """Close the communicator (``dist.destroy_process_group`` calls it); rank 0 leaves first.
+
+        Rank 0 hosts torch's ``TCPStore``, which torch drops right after this returns. A rank
+        that left sooner could start its next ``init_process_group`` on the old store (the same
+        port), which then closes under it (``DistNetworkError: Failed to recv``), as gloo's
+        ranks, which leave together, do not. So the others wait (``LEAVE_WAIT`` s at most) until
+        rank 0 has closed the communicator and said so in the store.
+        """
+        if not self._finalizer.alive:
+            return
         self._finalizer()
+        store, self._store = self._store, None
+        if store is None:
+            return
+        try:
+            if self.comm.rank == 0:
+                store.set(_LEFT_KEY, b"1")
+            else:
+                store.wait([_LEFT_KEY], timedelta(seconds=LEAVE_WAIT))
+        except Exception:  # rank 0 (or its store) is gone already: nothing to wait for
+            log.debug("ringcore backend: leaving without rank 0's word", exc_info=True)
 
     def abort(self) -> None:
         self._finalizer()
@@ -349,22 +386,129 @@ class RingcoreProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> RingcoreWork:
         return self._run_now("barrier", [], self.comm.barrier)
 
+    # ----------------------------------------------------------------- coalesced: one after the other
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingcoreWork:
+        """``all_gather_into_tensor`` of each pair (DTensor's ``full_tensor``): collectives run in
+        order, so the Work finishes with the last."""
+        call = "all_gather_into_tensor_coalesced"
+        pairs = self._pairs(
+            outputs, inputs, call, lambda out, src: out.numel() == src.numel() * self.comm.size
+        )
+        handles = [self.comm.allgather_async(_movable(_dense(src, call)[0])) for _, src in pairs]
+
+        def place() -> None:
+            for (output, source), handle in zip(pairs, handles, strict=True):
+                output.detach().copy_(_to_torch(handle.wait(0), source.dtype).view(output.shape))
+
+        return RingcoreWork(call, outputs).follow(handles[-1], place) if handles else self._finished(call, [])
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingcoreWork:
+        """``reduce_scatter_tensor`` of each pair, in order; the Work finishes with the last."""
+        call = "reduce_scatter_tensor_coalesced"
+        op = _reduce_op(opts, call)
+        pairs = self._pairs(
+            outputs, inputs, call, lambda out, src: src.numel() == out.numel() * self.comm.size
+        )
+        rows = [_dense(src, call)[0].reshape(self.comm.size, out.numel()) for out, src in pairs]
+        handles = [self.comm.reduce_scatter_async(row, op=op) for row in rows]
+
+        def place() -> None:
+            for (output, _), row, handle in zip(pairs, rows, handles, strict=True):
+                output.detach().copy_(_to_torch(handle.wait(0), row.dtype).view(output.shape))
+
+        return RingcoreWork(call, outputs).follow(handles[-1], place) if handles else self._finished(call, [])
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # the names torch's trampoline calls
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _pairs(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], call: str, fits: Callable[..., bool]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(output, input)`` pairs, every one checked with ``fits`` before anything is sent."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"ringcore backend: {call} got {len(outputs)} outputs for {len(inputs)} inputs")
+        pairs = list(zip(outputs, inputs, strict=True))
+        for output, source in pairs:
+            if not fits(output, source):
+                raise ValueError(
+                    f"ringcore backend: {call}: an output of {output.numel()} elements does not fit an input "
+                    f"of {source.numel()} at world size {self.comm.size}"
+                )
+        return pairs
+
+    # ----------------------------------------------------------------- rooted, built on the above
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcoreWork:
+        """``dist.reduce``: an allreduce whose result the root keeps; the others reduce a copy."""
+        tensor = _one(tensors, "reduce")
+        op = _reduce_op(opts, "reduce")
+        root = opts.rootRank if opts is not None else 0
+        target = tensor if self.comm.rank == root else tensor.detach().clone()
+        return self.allreduce_tensor(target, op, value=[tensor])
+
+    def gather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> RingcoreWork:
+        """``dist.gather``: every rank's input into the root's list (an allgather the others drop)."""
+        source = _one(input_tensors, "gather")
+        root = opts.rootRank if opts is not None else 0
+        outputs = _one(output_tensors, "gather") if self.comm.rank == root else []
+        if self.comm.rank == root and len(outputs) != self.comm.size:
+            raise ValueError(
+                f"ringcore backend: gather needs {self.comm.size} output tensors, got {len(outputs)}"
+            )
+
+        def place(gathered: torch.Tensor) -> None:
+            sizes = [t.numel() for t in outputs]
+            if outputs and gathered.numel() != sum(sizes):
+                raise ValueError(
+                    f"ringcore backend: gather's output tensors hold {sum(sizes)} elements, "
+                    f"the ranks sent {gathered.numel()}"
+                )
+            for out, piece in zip(outputs, gathered.split(sizes) if outputs else [], strict=True):
+                out.detach().copy_(piece.view(out.shape))
+
+        return self._gather(source, "gather", output_tensors, place)
+
+    def scatter(
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
+    ) -> RingcoreWork:
+        """``dist.scatter``: part ``r`` of the root's list into rank ``r``'s output (a broadcast of every part)."""
+        output = _one(output_tensors, "scatter")
+        _dense(output, "scatter")
+        root, size, count = (opts.rootRank if opts is not None else 0), self.comm.size, output.numel()
+        if self.comm.rank == root:
+            inputs = _one(input_tensors, "scatter")
+            if len(inputs) != size or any(t.numel() != count or t.dtype != output.dtype for t in inputs):
+                raise ValueError(
+                    f"ringcore backend: scatter needs {size} input tensors of {count} {output.dtype} "
+                    f"elements each, got {[(t.numel(), t.dtype) for t in inputs]}"
+                )
+            parts = torch.cat([t.detach().reshape(-1) for t in inputs])
+        else:
+            parts = torch.empty(size * count, dtype=output.dtype)
+        start = self.comm.rank * count
+
+        def place() -> None:
+            output.detach().copy_(parts[start : start + count].view(output.shape))
+
+        handle = self.comm.broadcast_async(_movable(parts), root=root)
+        return RingcoreWork("scatter", [output]).follow(handle, place)
+
     # ----------------------------------------------------------------- not implemented
 
     send = _unsupported("dist.send / isend")
     recv = _unsupported("dist.recv / irecv")
     recv_anysource = _unsupported("dist.recv_anysource (recv without src)")
-    gather = _unsupported("dist.gather")
-    scatter = _unsupported("dist.scatter")
-    reduce = _unsupported("dist.reduce")
     alltoall = _unsupported("dist.all_to_all")
     all_to_all_single = _unsupported("dist.all_to_all_single")
     alltoall_base = _unsupported("dist.all_to_all_single (alltoall_base)")
     allgather_coalesced = _unsupported("dist.all_gather_coalesced")
-    all_gather_single_coalesced = _unsupported("all_gather_into_tensor_coalesced")
-    allgather_into_tensor_coalesced = _unsupported("allgather_into_tensor_coalesced")
-    reduce_scatter_single_coalesced = _unsupported("reduce_scatter_tensor_coalesced")
-    reduce_scatter_tensor_coalesced = _unsupported("reduce_scatter_tensor_coalesced")
 
     # ----------------------------------------------------------------- helpers
 

@@ -11,8 +11,12 @@ subclass ``torch.distributed.Work`` rather than wrapping a future with
 ``_create_work_from_future``, whose ``wait()`` returns True even when the
 future failed.
 
-Futures complete on ringcore's async thread, which runs their ``then``
-callbacks: those must not wait for another collective.
+Futures. A future's ``then`` callbacks run where it completes, and torch's
+own hooks wait inside them for further collectives (``powerSGD_hook``). Those
+run one after the other on ringcore's async thread, so futures are completed
+on threads of their own (a pool that grows to ``COMPLETION_THREADS`` as
+callbacks block): a callback may wait for a collective issued after it, and
+``wait()`` itself returns as soon as the collective is done.
 
 The process group that hands them out is :mod:`ringcore.torch.process_group`.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +35,20 @@ import torch.distributed as dist
 from ringcore.comm import Handle
 
 __all__ = ["RingcoreWork"]
+
+COMPLETION_THREADS = 64  # callbacks blocked at once before a later future's completion must wait for one
+_completions: ThreadPoolExecutor | None = None  # made on first use: threads only as callbacks need them
+_completions_lock = threading.Lock()
+
+
+def _complete(future: torch.futures.Future[None]) -> None:
+    """``future.set_result(None)`` on a completion thread, which runs its callbacks there."""
+    global _completions
+    if _completions is None:
+        with _completions_lock:
+            if _completions is None:
+                _completions = ThreadPoolExecutor(COMPLETION_THREADS, thread_name_prefix="ringcore-future")
+    _completions.submit(future.set_result, None)
 
 
 class RingcoreWork(dist.Work):
@@ -59,7 +78,7 @@ class RingcoreWork(dist.Work):
                 error = err
         self._error = error
         self._event.set()
-        self._trigger.set_result(None)
+        _complete(self._trigger)  # off ringcore's async thread: callbacks may wait for collectives
 
     def follow(self, handle: Handle, after: Callable[[], None] | None = None) -> RingcoreWork:
         """Finish when ringcore's ``handle`` does (on ringcore's async thread); returns self."""

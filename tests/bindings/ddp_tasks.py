@@ -166,6 +166,31 @@ def collectives(comm: Any, port: int) -> dict[str, Any]:
         out["async wait"] = work.result()[0].numpy()
         fut = dist.all_reduce(torch.from_numpy(inputs(rank)), async_op=True).get_future()
         out["async future"] = fut.wait()[0].numpy()
+        inner = torch.from_numpy(inputs(rank + 20))
+
+        def nested(
+            done: Any,
+        ) -> torch.Tensor:  # as torch's powerSGD_hook: a collective waited for in a callback
+            return dist.all_reduce(inner, async_op=True).get_future().wait()[0] + done.value()[0]
+
+        fut = dist.all_reduce(torch.from_numpy(inputs(rank)), async_op=True).get_future().then(nested)
+        out["collective in a callback"] = fut.wait().numpy()
+        reduced = torch.from_numpy(inputs(rank))
+        dist.reduce(reduced, dst=n - 1, op=dist.ReduceOp.MAX)
+        out["reduce MAX to the last"] = reduced.numpy()
+        gathered_at_0 = [torch.empty(2, 3) for _ in range(n)] if rank == 0 else None
+        dist.gather(torch.from_numpy(inputs(rank, 6)).reshape(2, 3), gathered_at_0, dst=0)
+        out["gather to 0"] = None if gathered_at_0 is None else [g.numpy() for g in gathered_at_0]
+        part = torch.empty(2, 2, dtype=torch.float64)
+        parts = [torch.full((2, 2), float(10 * r + 1), dtype=torch.float64) for r in range(n)]
+        dist.scatter(part, parts if rank == 1 else None, src=1)
+        out["scatter from 1"] = part.numpy()
+        # functional collectives (DTensor's, FSDP2's) find the group by the name torch gave it
+        import torch.distributed._functional_collectives as functional
+
+        out["group name"] = dist.group.WORLD.group_name
+        reduced = functional.all_reduce(torch.from_numpy(inputs(rank)), "sum", dist.group.WORLD)
+        out["functional all_reduce"] = functional.wait_tensor(reduced).numpy()
 
         pair = [torch.from_numpy(inputs(rank, 6)).reshape(2, 3), torch.from_numpy(inputs(rank + 10, 4))]
         dist.all_reduce_coalesced(pair)
@@ -203,13 +228,41 @@ def collectives(comm: Any, port: int) -> dict[str, Any]:
     return out
 
 
+def fsdp2_params(comm: Any, backend: str, port: int) -> dict[str, Any]:
+    """Five SGD steps of a small MLP under FSDP2 (``fully_shard``: DTensor's collectives, coalesced);
+    the whole parameters gathered, and DTensor's ``full_tensor`` of a tensor sharded by hand."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with process_group(comm, backend, port):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(comm.rank)
+        for _ in range(5):
+            x, y = torch.randn(16, 8, generator=generator), torch.randn(16, 4, generator=generator)
+            loss = ((model(x) - y) ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        params = torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()]).detach().numpy()
+        mesh = init_device_mesh("cpu", (comm.size,))
+        sharded = distribute_tensor(torch.arange(6.0 * comm.size), mesh, [Shard(0)])
+        return {"params": params, "full": sharded.full_tensor().numpy(), "local": sharded.to_local().numpy()}
+
+
 def refusals(comm: Any, port: int) -> dict[str, str]:
     """What the unimplemented calls, an unsupported op and bad input raise: ``"Type: message"``."""
     rank, n = comm.rank, comm.size
     t = torch.ones(3)
     calls = {
         "send": lambda: dist.send(t, dst=(rank + 1) % n),
-        "gather": lambda: dist.gather(t, [torch.empty(3) for _ in range(n)] if rank == 0 else None, dst=0),
+        "all_to_all": lambda: dist.all_to_all([torch.empty(1) for _ in range(n)], [torch.ones(1)] * n),
         "all_to_all_single": lambda: dist.all_to_all_single(torch.empty(n), torch.ones(n)),
         "BAND": lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.BAND),
         "bool sum": lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool)),
