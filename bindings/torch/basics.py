@@ -115,8 +115,18 @@ def reduce_op(op: Any, average: bool | None = None, default: ReduceOp = Average)
 
 
 def wire_compression(compression: Any) -> WireCompression:
-    """``Compression.none``/``Compression.fp16`` (or ringcore's names, ``None``) as ringcore's compression."""
-    return WireCompression.parse(compression)
+    """``Compression.none``/``Compression.fp16`` (or ringcore's names, ``None``) as ringcore's compression.
+
+    Raises:
+        ValueError: anything else, such as a Horovod ``Compressor`` class of the user's own.
+    """
+    try:
+        return WireCompression.parse(compression)
+    except ValueError:
+        raise ValueError(
+            f"unknown compression {compression!r}: ringcore offers hvd.Compression.none and "
+            "hvd.Compression.fp16 (float16 on the wire), not Compressor classes of one's own"
+        ) from None
 
 
 # Horovod's build queries, which example scripts branch on: ringcore is none of these libraries.

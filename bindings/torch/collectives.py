@@ -60,12 +60,12 @@ class Handle:
         return self._result
 
 
-def synchronize(handle: Handle) -> torch.Tensor:
-    """Wait for an ``*_async`` call; its result tensor (raises the collective's error)."""
+def synchronize(handle: Handle | GroupHandle) -> Any:
+    """Wait for an ``*_async`` call; its result tensor, or list of them (raises the collective's error)."""
     return handle.wait()
 
 
-def poll(handle: Handle) -> bool:
+def poll(handle: Handle | GroupHandle) -> bool:
     """Whether an ``*_async`` call is done."""
     return handle.poll()
 
@@ -216,6 +216,104 @@ class _AllreduceFunction(torch.autograd.Function):
             raise RuntimeError(f"allreduce with op {op.value!r} is not differentiable; use Sum or Average")
         reduced = _AllreduceFunction.apply(grad.contiguous(), op, name, comp, pre, post)
         return reduced, None, None, None, None, None
+
+
+# ------------------------------------------------------------------ grouped allreduce
+
+
+class GroupHandle:
+    """The future results of a ``grouped_allreduce_async*`` call: ``synchronize(handle)`` returns the list."""
+
+    def __init__(self, handles: list[Handle]) -> None:
+        self._handles = handles
+
+    def poll(self) -> bool:
+        return all(handle.poll() for handle in self._handles)
+
+    def wait(self) -> list[torch.Tensor]:
+        return [handle.wait() for handle in self._handles]
+
+
+def _grouped(tensors: Any, what: str) -> list[Any]:
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{what} takes a list of tensors, got {type(tensors).__name__}")
+    return list(tensors)
+
+
+def _member(name: str | None, index: int) -> str | None:
+    return None if name is None else f"{name}.{index}"
+
+
+def grouped_allreduce_async_(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    compression: Any = Compression.none,
+) -> GroupHandle:
+    """Start reducing every tensor of the list in place, one collective each, issued together in
+    order (ringcore runs them back to back); ``synchronize(handle)`` returns the list."""
+    group = _grouped(tensors, "grouped_allreduce_async_")
+    return GroupHandle(
+        [
+            allreduce_async_(t, average, _member(name, i), op, prescale_factor, postscale_factor, compression)
+            for i, t in enumerate(group)
+        ]
+    )
+
+
+def grouped_allreduce_(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    compression: Any = Compression.none,
+) -> list[torch.Tensor]:
+    """Reduce every tensor of the list in place (Horovod's grouped allreduce); returns the list."""
+    handle = grouped_allreduce_async_(
+        tensors, average, name, op, prescale_factor, postscale_factor, compression
+    )
+    return handle.wait()
+
+
+def grouped_allreduce_async(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    compression: Any = Compression.none,
+) -> GroupHandle:
+    """Start an out-of-place allreduce of every tensor of the list; ``synchronize`` returns new tensors."""
+    group = _grouped(tensors, "grouped_allreduce_async")
+    return GroupHandle(
+        [
+            allreduce_async(t, average, _member(name, i), op, prescale_factor, postscale_factor, compression)
+            for i, t in enumerate(group)
+        ]
+    )
+
+
+def grouped_allreduce(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """New tensors: every tensor of the list reduced over all ranks; differentiable, as ``allreduce``."""
+    group = _grouped(tensors, "grouped_allreduce")
+    return [
+        allreduce(t, average, _member(name, i), compression, op, prescale_factor, postscale_factor)
+        for i, t in enumerate(group)
+    ]
 
 
 # ------------------------------------------------------------------ allgather

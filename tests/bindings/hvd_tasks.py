@@ -82,6 +82,13 @@ def async_calls(comm: Any) -> list[np.ndarray]:
     ]
     out = [_np(hvd.synchronize(h)) for h in reversed(handles)]
     assert all(hvd.poll(h) for h in handles)
+    group = [torch.full((2,), float(r)), torch.arange(3, dtype=torch.int64) * (r + 1)]
+    grouped = hvd.grouped_allreduce_async_(group, op=hvd.Sum, name="g")
+    summed = hvd.synchronize(grouped)
+    assert hvd.poll(grouped) and summed[0] is group[0] and summed[1] is group[1]
+    out += [_np(t) for t in summed]
+    averaged = hvd.grouped_allreduce([torch.full((2,), float(r)), torch.full((1,), 2.0 * r)])
+    out += [_np(t) for t in averaged]
     return out
 
 

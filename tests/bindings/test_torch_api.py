@@ -113,7 +113,12 @@ def test_reducescatter_gives_each_rank_its_rows(cluster: Cluster, op: str) -> No
 def test_async_calls_complete_in_any_order(cluster: Cluster) -> None:
     n = cluster.size
     for rank, out in enumerate(cluster.results(hvd_tasks.async_calls)):
-        scattered, broadcast, gathered, averaged, summed = out
+        scattered, broadcast, gathered, averaged, summed, *grouped = out
+        ranks = np.arange(n)
+        np.testing.assert_array_equal(grouped[0], np.full(2, ranks.sum(), np.float32))  # in place, Sum
+        np.testing.assert_array_equal(grouped[1], np.arange(3) * (ranks + 1).sum())
+        np.testing.assert_allclose(grouped[2], np.full(2, ranks.mean()))  # out of place, Average
+        np.testing.assert_allclose(grouped[3], np.full(1, 2 * ranks.mean()))
         np.testing.assert_array_equal(summed, np.full(5, n * (n + 1) / 2))
         np.testing.assert_allclose(averaged, np.full(3, (n - 1) / 2))
         np.testing.assert_array_equal(gathered[:, 0], np.repeat(np.arange(n), np.arange(1, n + 1)))
@@ -161,7 +166,8 @@ def test_bad_input_is_refused_before_anything_is_sent(cluster: Cluster) -> None:
         )
         assert errors["root out of range"].startswith("ValueError") and "root" in errors["root out of range"]
         assert errors["0-d allgather"].startswith("ValueError")
-        assert errors["unknown compression"].startswith("ValueError: unknown compression")
+        assert errors["unknown compression"].startswith("ValueError: unknown compression"), errors
+        assert "hvd.Compression.none and hvd.Compression.fp16" in errors["unknown compression"], errors
         assert errors["optimizer op"].startswith("ValueError: DistributedOptimizer reduces")
         assert errors["not an optimizer"].startswith("TypeError")
         assert errors["after"] == str([float(cluster.size)] * 3)
