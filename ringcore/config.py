@@ -356,7 +356,7 @@ class _Reader:
 
 TRANSPORTS = ("tcp", "shm", "ibverbs", "auto")
 KERNEL_COPIES = ("auto", "fast", "slow")
-LOG_LEVELS = ("warning", "debug", "info", "error", "critical")
+LOG_LEVELS = ("warning", "debug", "info", "error", "critical", "warn", "fatal", "notset")  # logging's names
 # RINGCORE_* variables read outside Settings (README, "Environment variables"): ringcore-run's
 # binding and ringcore.kernels.casts' switch; RINGCORE_TEST_* belong to the test suite.
 OTHER_VARIABLES = frozenset({"RINGCORE_BIND_TO", "RINGCORE_TORCH_CASTS"})

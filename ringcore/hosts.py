@@ -111,10 +111,14 @@ def parse_hostfile(path: str | Path) -> list[Host]:
 
 
 def _hostfile_line(words: list[str], where: str) -> Host:
-    name, colon, count = words[0].rpartition(":")
+    user, at, address = words[0].rpartition("@")  # alice@hostA:2: the user is ssh's
+    name, colon, count = address.rpartition(":")
     bracketed = name.startswith("[") and name.endswith("]")  # [fe80::1]:2
-    if colon and len(words) == 1 and count.isdigit() and (":" not in name or bracketed):  # host:N
-        return Host(name[1:-1] if bracketed else name, _slots(count, f"{where}: {words[0]!r}"))
+    if colon and count.isdigit() and (":" not in name or bracketed):  # host:N
+        if len(words) > 1:
+            raise HostError(f"{where}: {' '.join(words)!r}: write either 'host:N' or 'host slots=N'")
+        name = name[1:-1] if bracketed else name
+        return Host(f"{user}{at}{name}", _slots(count, f"{where}: {words[0]!r}"))
     slots = 1
     for word in words[1:]:
         key, equals, value = word.partition("=")

@@ -43,7 +43,7 @@ DRAIN_SECONDS = 5.0
 # --------------------------------------------------------------------------- output
 
 
-_NO_RINGCORE = b"No module named 'ringcore"  # a rank's Python without ringcore: not the environment's
+_NO_RINGCORE = b"No module named 'ringcore'"  # a rank's Python without ringcore (not a missing part of it)
 
 
 class Sink:

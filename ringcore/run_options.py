@@ -295,10 +295,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     args = parser.parse_args(argv)
     if args.bind_to not in ("core", "none"):
         parser.error(f"RINGCORE_BIND_TO must be core or none, got {args.bind_to!r}")
-    try:  # every rank reads this environment: a bad value is said once here, not by every rank
-        Settings.from_env()
+    exports = _exports(parser, args.exports)
+    try:  # every rank reads this environment (and -x's): a bad value is said once here, not by every rank
+        Settings.from_env({**os.environ, **dict(exports)})
     except ConfigError as err:
-        parser.error(f"{err} (in the environment every rank inherits)")
+        parser.error(f"{err} (in the environment every rank gets)")
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -327,7 +328,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         command,
         bind=args.bind_to == "core",
         slots=slots,
-        exports=_exports(parser, args.exports),
+        exports=exports,
         ifname=args.network_interface,
         ssh=SshOptions(args.ssh_port, args.ssh_identity_file, tuple(shlex.split(args.ssh_args))),
         elastic=elastic,

@@ -234,9 +234,16 @@ class GroupHandle:
         return [handle.wait() for handle in self._handles]
 
 
-def _grouped(tensors: Any, what: str) -> list[Any]:
+def _grouped(tensors: Any, what: str, in_place: bool, scaled: bool) -> list[Any]:
+    """The group as a list, every tensor checked before any is reduced (as Horovod checks a group)."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{what} takes a list of tensors, got {type(tensors).__name__}")
+    for tensor in tensors:
+        check_tensor(tensor, what)
+        if in_place:
+            check_writable(tensor, what)
+        if scaled and not is_float(tensor):
+            raise ValueError(f"{what}: prescale_factor and postscale_factor need floating-point tensors")
     return list(tensors)
 
 
@@ -255,7 +262,8 @@ def grouped_allreduce_async_(
 ) -> GroupHandle:
     """Start reducing every tensor of the list in place, one collective each, issued together in
     order (ringcore runs them back to back); ``synchronize(handle)`` returns the list."""
-    group = _grouped(tensors, "grouped_allreduce_async_")
+    scaled = prescale_factor != 1.0 or postscale_factor != 1.0
+    group = _grouped(tensors, "grouped_allreduce_async_", True, scaled)
     return GroupHandle(
         [
             allreduce_async_(t, average, _member(name, i), op, prescale_factor, postscale_factor, compression)
@@ -290,7 +298,8 @@ def grouped_allreduce_async(
     compression: Any = Compression.none,
 ) -> GroupHandle:
     """Start an out-of-place allreduce of every tensor of the list; ``synchronize`` returns new tensors."""
-    group = _grouped(tensors, "grouped_allreduce_async")
+    scaled = prescale_factor != 1.0 or postscale_factor != 1.0
+    group = _grouped(tensors, "grouped_allreduce_async", False, scaled)
     return GroupHandle(
         [
             allreduce_async(t, average, _member(name, i), op, prescale_factor, postscale_factor, compression)
@@ -309,7 +318,7 @@ def grouped_allreduce(
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
     """New tensors: every tensor of the list reduced over all ranks; differentiable, as ``allreduce``."""
-    group = _grouped(tensors, "grouped_allreduce")
+    group = _grouped(tensors, "grouped_allreduce", False, prescale_factor != 1.0 or postscale_factor != 1.0)
     return [
         allreduce(t, average, _member(name, i), compression, op, prescale_factor, postscale_factor)
         for i, t in enumerate(group)

@@ -75,7 +75,7 @@ from ringcore.torch.work import RingcoreWork
 __all__ = ["BACKEND", "RingcoreProcessGroup", "RingcoreWork", "communicator", "register", "ringcore_group"]
 
 BACKEND = "ringcore"
-LEAVE_WAIT = 10.0  # seconds a rank waits in shutdown() for rank 0 to leave first
+LEAVE_WAIT = 5.0  # seconds a rank waits in shutdown() for rank 0 to leave first
 _LEFT_KEY = "ringcore/left"  # in torch's store of the group, set by rank 0 on its way out
 log = logging.getLogger("ringcore")
 
@@ -111,8 +111,9 @@ def register() -> None:
 def _create(store: dist.Store, rank: int, size: int, timeout: timedelta | None) -> RingcoreProcessGroup:
     """The backend's creator: torch calls it on every rank of a new group."""
     addr = store_host(store) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    default = not dist.is_initialized()  # the default group: its rank 0 hosts torch's store
     comm = ringcore.new_communicator(rank, size, store, addr=addr, timeout=collective_timeout(timeout))
-    return RingcoreProcessGroup(comm, store)
+    return RingcoreProcessGroup(comm, store if default else None)
 
 
 def store_host(store: dist.Store) -> str | None:
@@ -215,7 +216,7 @@ class RingcoreProcessGroup(dist.ProcessGroup):
     def __init__(self, comm: Communicator, store: dist.Store | None = None) -> None:
         super().__init__(comm.rank, comm.size)
         self.comm = comm
-        self._store = store  # torch's, where the group met: the ranks leave shutdown() through it
+        self._store = store  # the default group's (rank 0 hosts it): the ranks leave shutdown() through it
         self._finalizer = weakref.finalize(self, comm.shutdown)
 
     def getBackendName(self) -> str:
@@ -239,11 +240,13 @@ class RingcoreProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Close the communicator (``dist.destroy_process_group`` calls it); rank 0 leaves first.
 
-        Rank 0 hosts torch's ``TCPStore``, which torch drops right after this returns. A rank
-        that left sooner could start its next ``init_process_group`` on the old store (the same
-        port), which then closes under it (``DistNetworkError: Failed to recv``), as gloo's
-        ranks, which leave together, do not. So the others wait (``LEAVE_WAIT`` s at most) until
-        rank 0 has closed the communicator and said so in the store.
+        In the default group rank 0 hosts torch's ``TCPStore``, which torch drops right after
+        this returns. A rank that left sooner could start its next ``init_process_group`` on
+        the old store (the same port), which then closes under it (``DistNetworkError: Failed
+        to recv``; 2 launches in 6 on a loaded host, where gloo's ranks, which leave together,
+        passed). So the others wait (``LEAVE_WAIT`` s at most) until rank 0 has closed the
+        communicator and said so in the store: that narrows the window to the moments between
+        rank 0's word and its store's end, as for gloo (15 re-inits in a row passed).
         """
         if not self._finalizer.alive:
             return
@@ -434,6 +437,10 @@ class RingcoreProcessGroup(dist.ProcessGroup):
             raise ValueError(f"ringcore backend: {call} got {len(outputs)} outputs for {len(inputs)} inputs")
         pairs = list(zip(outputs, inputs, strict=True))
         for output, source in pairs:
+            if output.dtype != source.dtype:
+                raise ValueError(
+                    f"ringcore backend: {call}: an output of {output.dtype} for an input of {source.dtype}"
+                )
             if not fits(output, source):
                 raise ValueError(
                     f"ringcore backend: {call}: an output of {output.numel()} elements does not fit an input "
@@ -461,6 +468,10 @@ class RingcoreProcessGroup(dist.ProcessGroup):
         if self.comm.rank == root and len(outputs) != self.comm.size:
             raise ValueError(
                 f"ringcore backend: gather needs {self.comm.size} output tensors, got {len(outputs)}"
+            )
+        if any(t.dtype != source.dtype for t in outputs):
+            raise ValueError(
+                f"ringcore backend: gather's output tensors must be {source.dtype}, as its input"
             )
 
         def place(gathered: torch.Tensor) -> None:

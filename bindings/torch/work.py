@@ -16,7 +16,12 @@ own hooks wait inside them for further collectives (``powerSGD_hook``). Those
 run one after the other on ringcore's async thread, so futures are completed
 on threads of their own (a pool that grows to ``COMPLETION_THREADS`` as
 callbacks block): a callback may wait for a collective issued after it, and
-``wait()`` itself returns as soon as the collective is done.
+``wait()`` itself returns as soon as the collective is done. A collective a
+callback starts takes its place among the program's when the callback runs,
+as on gloo, whose futures complete on its worker threads too: where several
+callbacks start collectives at once, ranks may start them in different orders
+(a ``MismatchError``, or, where the shapes agree, sums of the wrong tensors).
+One chain of callbacks at a time is safe.
 
 The process group that hands them out is :mod:`ringcore.torch.process_group`.
 """
@@ -48,7 +53,10 @@ def _complete(future: torch.futures.Future[None]) -> None:
         with _completions_lock:
             if _completions is None:
                 _completions = ThreadPoolExecutor(COMPLETION_THREADS, thread_name_prefix="ringcore-future")
-    _completions.submit(future.set_result, None)
+    try:
+        _completions.submit(future.set_result, None)
+    except RuntimeError:  # the interpreter is exiting (no new threads): run the callbacks here
+        future.set_result(None)
 
 
 class RingcoreWork(dist.Work):

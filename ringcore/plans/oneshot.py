@@ -85,11 +85,10 @@ Pieces. From three ranks, without ``RINGCORE_ATOMIC``, an input longer than a
 slot and below ``RINGCORE_DIRECT_BYTES`` (auto: only where the kernel's copies
 are slow, up to 8 MiB: ``ringcore.config.Settings.direct_from``) goes two-shot
 a slot's worth at a time: piece 0's posts carry ``seq`` as every other route's
-do (so a rank whose input is one slot meets it there, and a mismatch is named,
-whatever ``seq``), piece ``k`` from 1 on ``seq``'s low 32 bits and ``k`` above
-them, so a peer's post of the piece before, two posts back in the same slot,
-is never taken for this one (a post in a slot is at most two posts old, never
-2**32 collectives). Piece ``k`` reaches the caller's buffer once its second
+do (so a rank whose input is one slot meets it there, and a mismatch is named),
+piece ``k`` from 1 on ``seq`` with ``k`` above bit 48 (:func:`piece_number`), so a
+peer's post of the piece before, two posts back in the same slot, is never
+taken for this one. Piece ``k`` reaches the caller's buffer once its second
 post is met, so a failure in a later piece leaves the pieces before it reduced
 and the rest as it was, and the error's note says so
 (:func:`ringcore.slicing.note_failure`). Measured on that host at N=4, fast
@@ -130,8 +129,16 @@ if TYPE_CHECKING:
     from ringcore.transport.shm import ShmTransport
     from ringcore.transport.shm_mailbox import Mailbox
 
-PIECE_SHIFT = 32  # a piece's number in its posts' sequence word, above the collective's low 32 bits (Pieces)
-_LOW = (1 << PIECE_SHIFT) - 1
+PIECE_SHIFT = 48  # a piece's number in its posts' sequence word, above any collective's number (Pieces)
+
+
+def piece_number(seq: int, k: int) -> int:
+    """What piece ``k`` of collective ``seq`` posts: ``seq`` itself for piece 0 (as every route posts
+    it), ``k`` above it for the others; unique while ``seq`` stays below 2**48 (a million collectives
+    a second for nine years) and pieces below 2**16 (64 GiB of 1 MiB slots)."""
+    return seq | (k << PIECE_SHIFT) if k else seq
+
+
 PIECES_WHY = "two shots reduce an input a mailbox slot (1 MiB) at a time"
 ABSENT, POSTED = 0, 1  # a rank's post: its input is not in it (the plan's form runs), or it is
 DECLINED_KEPT = 4096  # signatures kept in ctx.declined, then forgotten all at once (decline)
@@ -230,7 +237,7 @@ class TwoShotRoute(OneShotRoute):
         try:
             flat = host_array(self.plan, obj)
             for k, (lo, hi, parts) in enumerate(self.pieces):
-                number = (seq & _LOW) | (k << PIECE_SHIFT) if k else seq  # piece 0: as any route posts
+                number = piece_number(seq, k)
                 nbytes = (hi - lo) * itemsize
                 inputs = mailbox.inputs(mailbox.slot, nbytes, storage)
                 if flat is not None:

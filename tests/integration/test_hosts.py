@@ -73,18 +73,20 @@ def test_hostfiles_read_as_open_mpi_reads_them(tmp_path: Path) -> None:
         hosts.Host("hostC", 1),
     ]
     path.write_text(
-        "hostA:4\n[fe80::1]:2\nfe80::2\nhostB slots=3\nhostA:1\n"
+        "hostA:4\n[fe80::1]:2\nfe80::2\nhostB slots=3\nhostA:1\nalice@[fe80::3]:2\n"
     )  # a discovery script's lines too
     assert hosts.parse_hostfile(path) == [
         hosts.Host("hostA", 5),
         hosts.Host("fe80::1", 2),
         hosts.Host("fe80::2", 1),
         hosts.Host("hostB", 3),
+        hosts.Host("alice@fe80::3", 2),
     ]
     for text, why in [
         ("hostA cores=4\n", "'cores=4' not understood"),
         ("hostA slots=0\n", "at least 1"),
         ("hostA:0\n", "at least 1"),
+        ("hostA:4 slots=2\n", "either 'host:N' or 'host slots=N'"),
     ]:
         path.write_text(text)
         with pytest.raises(hosts.HostError, match=f"line 1: .*{why}"):

@@ -181,3 +181,19 @@ def test_one_rank_without_a_mailbox_leaves_every_rank_without(monkeypatch: pytes
         assert ours() <= before
     finally:
         close_all(transports)
+
+
+def test_piece_numbers_never_repeat_a_post_two_back_in_the_same_slot() -> None:
+    """Two-shot pieces post twice each, alternating the mailbox's two slots: every post's number differs
+    from the one two posts before (the same slot), across a collective's pieces and from the collective
+    before, also past 2**32 collectives, where piece 0's number is the collective's own."""
+    from ringcore.plans.oneshot import piece_number
+
+    for seq in (1, 2, (1 << 32) - 1, 1 << 32, (1 << 32) + 1, 5 * (1 << 32) + 3, (1 << 47) + 9):
+        assert piece_number(seq, 0) == seq
+        posts = [number for k in range(300) for number in (piece_number(seq, k),) * 2]  # input, share
+        earlier = [piece_number(seq - 1, k) for k in (0, 299)]  # the collective before: one slot or pieces
+        for before in earlier:
+            run = [before, before, *posts]
+            assert all(run[i] != run[i - 2] for i in range(2, len(run))), seq
+        assert len(set(posts)) == 300
