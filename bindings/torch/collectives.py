@@ -262,14 +262,8 @@ def grouped_allreduce_async_(
 ) -> GroupHandle:
     """Start reducing every tensor of the list in place, one collective each, issued together in
     order (ringcore runs them back to back); ``synchronize(handle)`` returns the list."""
-    scaled = prescale_factor != 1.0 or postscale_factor != 1.0
-    group = _grouped(tensors, "grouped_allreduce_async_", True, scaled)
-    return GroupHandle(
-        [
-            allreduce_async_(t, average, _member(name, i), op, prescale_factor, postscale_factor, compression)
-            for i, t in enumerate(group)
-        ]
-    )
+    scales = (prescale_factor, postscale_factor)
+    return _start_group(allreduce_async_, True, tensors, average, name, op, scales, compression)
 
 
 def grouped_allreduce_(
@@ -298,13 +292,25 @@ def grouped_allreduce_async(
     compression: Any = Compression.none,
 ) -> GroupHandle:
     """Start an out-of-place allreduce of every tensor of the list; ``synchronize`` returns new tensors."""
-    scaled = prescale_factor != 1.0 or postscale_factor != 1.0
-    group = _grouped(tensors, "grouped_allreduce_async", False, scaled)
+    scales = (prescale_factor, postscale_factor)
+    return _start_group(allreduce_async, False, tensors, average, name, op, scales, compression)
+
+
+def _start_group(
+    start: Callable[..., Handle],
+    in_place: bool,
+    tensors: Any,
+    average: bool | None,
+    name: str | None,
+    op: Any,
+    scales: tuple[float, float],
+    compression: Any,
+) -> GroupHandle:
+    """``start`` (``allreduce_async`` or ``allreduce_async_``) on every tensor of the checked group, in order."""
+    what = "grouped_allreduce_async_" if in_place else "grouped_allreduce_async"
+    group = _grouped(tensors, what, in_place, scales != (1.0, 1.0))
     return GroupHandle(
-        [
-            allreduce_async(t, average, _member(name, i), op, prescale_factor, postscale_factor, compression)
-            for i, t in enumerate(group)
-        ]
+        [start(t, average, _member(name, i), op, *scales, compression) for i, t in enumerate(group)]
     )
 
 
