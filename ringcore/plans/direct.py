@@ -108,6 +108,7 @@ if TYPE_CHECKING:
 
 NONE, REMOTE, MAPPED = 0, 1, 2  # a rank's offer in the vote
 FIELDS = 4  # way, address, allocation serial, byte offset
+ROW_BYTES = FIELDS * 8
 VOTE_PART = (1 << wire.PART_BITS) - 1  # not part 0, with which the ring may follow the vote
 DONE_PART = VOTE_PART - 1
 _INT64 = np.dtype(np.int64)
@@ -125,30 +126,30 @@ class Remote:
             combined before the next).
     """
 
-    __slots__ = ("address", "channel", "here", "host", "itemsize", "rank", "scratch", "scratch_at")
+    __slots__ = ("address", "here", "host", "itemsize", "rank", "reads", "scratch", "scratch_at", "writes")
 
     def __init__(
         self, rank: int, pid: int, address: int, mine: np.ndarray, scratch: np.ndarray, host: str = ""
     ) -> None:
         self.rank, self.address, self.host = rank, address, host
-        self.channel = cma.Channel(pid)
+        self.reads, self.writes = cma.Transfer(pid, out=False), cma.Transfer(pid, out=True)
         self.here, self.itemsize = _address(mine), mine.itemsize
         self.scratch = scratch.view(mine.dtype)
         self.scratch_at = _address(scratch)
 
     def read(self, lo: int, hi: int) -> np.ndarray:
+        itemsize = self.itemsize
         try:
-            self.channel.copy_in(
-                self.address + lo * self.itemsize, self.scratch_at, (hi - lo) * self.itemsize
-            )
+            self.reads.move(self.scratch_at, self.address + lo * itemsize, (hi - lo) * itemsize)
         except OSError as err:
             raise self._failure("read", err) from None
         return self.scratch[: hi - lo]
 
     def write(self, mine: np.ndarray, lo: int, hi: int) -> None:
-        offset = lo * self.itemsize
+        itemsize = self.itemsize
+        offset = lo * itemsize
         try:
-            self.channel.copy_out(self.here + offset, self.address + offset, (hi - lo) * self.itemsize)
+            self.writes.move(self.here + offset, self.address + offset, (hi - lo) * itemsize)
         except OSError as err:
             raise self._failure("write", err) from None
 
@@ -193,12 +194,14 @@ class Voting:
         self.hosts = {peer: transport.peer_name(peer) for peer in self.pids}
         self.copyable = transport.copyable
         probes = {peer: cma.Word(self.pids[peer], address) for peer, address in transport.peer_words.items()}
-        mailbox = transport.mailbox
+        mailbox = self.mailbox = transport.mailbox
         self.word: Any  # [0]: this rank's word
         self.words: dict[int, SharedWord | cma.Word]
+        self.shared: list[tuple[int, memoryview]] = []  # (peer, its word) where they lie in the mailboxes
         if mailbox is not None:  # the words in the mailboxes (agreed at set-up): a load each
             self.word = mailbox.words[self.rank]
             self.words = {peer: SharedWord(mailbox.words[peer], probe) for peer, probe in probes.items()}
+            self.shared = [(peer, mailbox.words[peer]) for peer in probes]
         else:  # each in its rank's memory: a system call each
             self.word, self.words = transport.word, dict(probes)
         self.calls = 0  # calls that went direct on this context, every plan's (one-call plans' too)
@@ -216,14 +219,12 @@ class Voting:
     def vote(self, row: list[int], seq: int, signature: int) -> list[list[int]]:
         """Every rank's row, in rank order: posted in the mailboxes where the ranks have them, else
         a sum of rows that are zero but for each rank's own."""
-        transport = self.ctx.transport
-        mailbox = getattr(transport, "mailbox", None)
+        mailbox = self.mailbox
         if mailbox is not None:
-            rows_bytes = FIELDS * 8
-            slot = mailbox.slot
-            mailbox.inputs(slot, rows_bytes, _INT64)[self.rank][:] = row
-            oneshot.meet(self.ctx, transport, seq, signature, oneshot.POSTED, rows_bytes)  # type: ignore[arg-type]
-            return [posted.tolist() for posted in mailbox.inputs(slot, rows_bytes, _INT64)]
+            posted = mailbox.inputs(mailbox.slot, ROW_BYTES, _INT64)
+            posted[self.rank][:] = row
+            oneshot.meet(self.ctx, self.ctx.transport, seq, signature, oneshot.POSTED, ROW_BYTES)  # type: ignore[arg-type]
+            return [rows.tolist() for rows in posted]
         rows = self.rows
         rows[:] = 0
         rows[self.rank * FIELDS : (self.rank + 1) * FIELDS] = row
@@ -233,6 +234,12 @@ class Voting:
     def gave_up(self, seq: int) -> int | None:
         """A peer that gave up on ``seq`` (or, words read through the kernel, whose process is gone):
         nothing may be written (module docstring)."""
+        shared = self.shared
+        if shared:  # the words in the mailboxes: a load each
+            for peer, view in shared:
+                if view[0] == -seq:
+                    return peer
+            return None
         for peer, word in self.words.items():
             value = word.read()
             if value is None or value == -seq:  # a gone pid may name another process by now
@@ -270,66 +277,87 @@ class DirectRoute:
         self.calls = 0
         self._copyable = -1  # the address of this plan's last buffer found copyable
         self._share: tuple[int, int] | None = None  # this rank's [lo, hi) of the plan's elements
-        self._remote: tuple[tuple[int, ...], list[direct.Peer]] = ((), [])  # the last call's remote peers
+        # The last vote whose peers were remote: its rows, and the peers they give (making them
+        # cost 4 us a peer, a twentieth of a 1 MiB allreduce at N=4). Kept while every rank passes
+        # the same memory (a training loop).
+        self._voted: tuple[list[list[int]], list[direct.Peer]] = ([], [])
+        self._reducer: Any = None
 
     def run(self, obj: Any, seq: int) -> bool:
         ctx, plan = self.ctx, self.plan
-        transport = ctx.transport
         voting = ctx.direct_voting
-        if voting is None and isinstance(transport, ShmTransport) and transport.copies_everywhere:
-            # made in the turn, as everything that touches the transport
-            voting = ctx.direct_voting = Voting(ctx, transport)
+        if voting is None:
+            transport = ctx.transport
+            if isinstance(transport, ShmTransport) and transport.copies_everywhere:
+                # made in the turn, as everything that touches the transport
+                voting = ctx.direct_voting = Voting(ctx, transport)
         if voting is not None and plan.nbytes >= self.direct_from:
             if plan.signature in ctx.declined:  # every rank offered nothing before (GPU or pinned memory)
                 return False
-            desc = Descriptor("allreduce", seq, *plan.fields)
             try:
                 flat = host_array(plan, obj)
                 row = self._offer(flat, voting)
             except BaseException as err:  # the peers are in the vote already: tell them
-                ctx.fail(desc, err)
-
-            def vote() -> tuple[int, Callable[[], list[direct.Peer]]]:
-                rows = voting.vote(row, seq, plan.signature)
-                way = _agreed(rows)
-                if way == NONE and all(row[0] == NONE for row in rows):
-                    oneshot.decline(ctx, plan.signature)  # the ring from now on, with no vote first
-                return way, lambda: self._peers(flat, rows, way, voting)  # type: ignore[arg-type]
-
-            return self._run(flat, desc, plan.signature, DONE_PART, vote, voting)
+                ctx.fail(Descriptor("allreduce", seq, *plan.fields), err)
+            return self._run(
+                flat, seq, plan.signature, DONE_PART, (), voting, self._vote, flat, row, voting, seq
+            )
         symmetric = ctx.symmetric  # symmetric memory only: the descriptor names it
         found = symmetric.locate(obj) if plan.buffer is None and symmetric is not None else None
         if found is None:
             return self.below is not None and self.below.run(obj, seq)
         allocation, offset = found
         flat = storage_view(obj, plan.dtype)
-        desc = Descriptor("allreduce", seq, *plan.fields, allocation.label(offset))
-        signature = desc.signature()
+        label = (allocation.label(offset),)
+        signature = Descriptor("allreduce", seq, *plan.fields, *label).signature()
+        return self._run(
+            flat, seq, signature, 1, label, voting, self._meet, flat, allocation, offset, seq, signature
+        )
 
-        def meet() -> tuple[int, Callable[[], list[direct.Peer]]]:
-            synchronise(ctx, seq, signature, 0)
-            views = allocation.peers(offset, plan.count, flat.dtype)
-            return MAPPED, lambda: [direct.Mapped(view) for view in views]
+    def _vote(
+        self, flat: np.ndarray | None, row: list[int], voting: Voting, seq: int
+    ) -> tuple[int, list[direct.Peer]]:
+        """The first synchronisation where ranks may copy from each other: every rank's row, the way
+        they agree on and the peers' buffers that way."""
+        rows = voting.vote(row, seq, self.plan.signature)
+        voted = self._voted
+        if rows == voted[0]:  # every rank passed the memory of the last remote call
+            return REMOTE, voted[1]
+        way = _agreed(rows)
+        if way == NONE:
+            if all(row[0] == NONE for row in rows):
+                oneshot.decline(self.ctx, self.plan.signature)  # the ring from now on, with no vote first
+            return NONE, []
+        assert flat is not None
+        return way, self._peers(flat, rows, way, voting)
 
-        return self._run(flat, desc, signature, 1, meet, voting)
+    def _meet(
+        self, flat: np.ndarray, allocation: Any, offset: int, seq: int, signature: int
+    ) -> tuple[int, list[direct.Peer]]:
+        """The first synchronisation where only symmetric memory goes direct (the descriptor names it)."""
+        synchronise(self.ctx, seq, signature, 0)
+        return MAPPED, [direct.Mapped(view) for view in allocation.peers(offset, self.plan.count, flat.dtype)]
 
     def _run(
         self,
         flat: np.ndarray | None,
-        desc: Descriptor,
+        seq: int,
         signature: int,
         last_part: int,
-        agree: Callable[[], tuple[int, Callable[[], list[direct.Peer]]]],
+        label: tuple[str, ...],
         voting: Voting | None,
+        agree: Callable[..., tuple[int, list[direct.Peer]]],
+        *how: Any,
     ) -> bool:
-        """Agree (the first synchronisation), reduce and push, synchronise; False where the way is NONE."""
-        ctx, plan, seq = self.ctx, self.plan, desc.seq
+        """Agree (``agree(*how)``: the first synchronisation), reduce and push, synchronise; False where
+        the way is NONE. ``label``: the memory the descriptor names, if any."""
+        ctx, plan = self.ctx, self.plan
         if voting is not None:
             voting.word[0] = seq
             shm_ring.fence()  # the word stored before this rank sends, so before any peer reads ours
         try:
             try:
-                way, peers = agree()  # every input is in place
+                way, peers = agree(*how)  # every input is in place
                 if way == NONE:
                     if voting is not None:
                         voting.word[0] = 0
@@ -340,10 +368,11 @@ class DirectRoute:
                     voting.calls += 1
                 gone = voting.gave_up(seq) if voting is not None else None
                 if gone is None:
-                    if self._share is None:
-                        self._share = direct.shares(plan.count, ctx.size, flat.itemsize)[ctx.rank]
-                    lo, hi = self._share
-                    direct.reduce_and_push(flat, peers(), lo, hi, plan_reducer(plan))
+                    share, reducer = self._share, self._reducer
+                    if share is None:
+                        share = self._share = direct.shares(plan.count, ctx.size, flat.itemsize)[ctx.rank]
+                        reducer = self._reducer = plan_reducer(plan)
+                    direct.reduce_and_push(flat, peers, share[0], share[1], reducer)
                 if voting is not None:
                     voting.word[0] = 0
                 synchronise(ctx, seq, signature, last_part)  # every share is in every buffer
@@ -352,7 +381,7 @@ class DirectRoute:
                         f"rank {gone} gave up on this allreduce before this rank wrote to it", gone
                     )
             except BaseException as err:
-                ctx.fail(desc, err)
+                ctx.fail(Descriptor("allreduce", seq, *plan.fields, *label), err)
         except BaseException as err:
             stuck = voting.quiesce(seq) if voting is not None else []
             note_failure(err, 0, plan.count, plan.count)  # a peer past the first sync may write any share
@@ -379,20 +408,20 @@ class DirectRoute:
         return [REMOTE, address, 0, 0]
 
     def _peers(self, flat: np.ndarray, rows: list[list[int]], way: int, voting: Voting) -> list[direct.Peer]:
-        """The peers' buffers in ring order after this rank, mapped or remote (the remote ones kept
-        while the addresses stay: making them cost 4 us a peer, a twentieth of a 1 MiB allreduce at N=4)."""
+        """The peers' buffers in ring order after this rank, mapped or remote (the remote ones kept with
+        the rows that gave them: ``_voted``)."""
         rank, size, plan = self.ctx.rank, self.ctx.size, self.plan
         if way == MAPPED:
             found = self.ctx.symmetric.locate(flat)  # type: ignore[union-attr]
             assert found is not None
             return [direct.Mapped(view) for view in found[0].peers(found[1], plan.count, flat.dtype)]
-        addresses = tuple([row[1] for row in rows])  # this rank's own among them: what it offered, flat's
-        if addresses != self._remote[0]:  # kept while every rank passes the same memory (a training loop)
-            order = [(rank + step) % size for step in range(1, size)]
-            scratch, pids, hosts = voting.scratch, voting.pids, voting.hosts
-            peers = [Remote(peer, pids[peer], rows[peer][1], flat, scratch, hosts[peer]) for peer in order]
-            self._remote = (addresses, peers)  # type: ignore[assignment]
-        return self._remote[1]
+        order = [(rank + step) % size for step in range(1, size)]
+        scratch, pids, hosts = voting.scratch, voting.pids, voting.hosts
+        peers: list[direct.Peer] = [
+            Remote(peer, pids[peer], rows[peer][1], flat, scratch, hosts[peer]) for peer in order
+        ]
+        self._voted = (rows, peers)
+        return peers
 
 
 def _agreed(rows: list[list[int]]) -> int:

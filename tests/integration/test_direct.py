@@ -94,6 +94,22 @@ def test_symmetric_and_ordinary_buffers_meet_on_the_direct_route() -> None:
         assert report["result"].tobytes() == reports[0]["result"].tobytes(), "ranks disagree on the bits"
 
 
+@pytest.mark.timeout(120)
+def test_ranks_that_change_their_memory_at_calls_of_their_own_are_reached_where_it_now_lies() -> None:
+    """The route keeps the peers a vote gave while every rank passes the memory of the last call:
+    here rank 1 moves to its second array and back while the others stay, then rank 2 moves."""
+    count = 300_000  # 1.2 MB: a vote
+    switches = [[0, 0, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 0, 0, 1]]
+    with Cluster(3, timeout=60) as cluster:
+        reports = cluster.results(tasks.allreduce_switching_buffers, count, switches, timeout=60)
+    base = np.arange(count, dtype=np.float32)
+    for rank, report in enumerate(reports):
+        assert report["direct"] == len(switches[0]), f"rank {rank}: not every call went direct"
+        for call, result in enumerate(report["results"]):
+            want = sum(base * (peer + 1) + call for peer in range(3))
+            np.testing.assert_array_equal(result, want, err_msg=f"rank {rank}, call {call}")
+
+
 @pytest.mark.timeout(180)
 def test_a_gpu_buffer_among_host_ones_sends_every_rank_to_the_ring() -> None:
     """The vote: a (fake) GPU buffer on rank 1 makes all three ranks run the ring, and they agree."""

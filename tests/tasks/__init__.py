@@ -39,6 +39,7 @@ from tests.tasks.collectives import (
 from tests.tasks.direct import (
     allreduce_of_rank_counts,
     allreduce_routed,
+    allreduce_switching_buffers,
     can_copy,
     kernel_copies,
     late_writer,
@@ -101,6 +102,7 @@ __all__ = [
     "allreduce_on_mixed_paths",
     "allreduce_recording_algorithms",
     "allreduce_routed",
+    "allreduce_switching_buffers",
     "allreduce_symmetric",
     "allreduce_symmetric_on",
     "allreduce_until_failure",

@@ -136,6 +136,25 @@ def allreduce_of_rank_counts(comm: Any, counts: list[int]) -> dict[str, Any]:
     return {"error": "no error", "message": "", "untouched": bool((x == before).all())}
 
 
+def allreduce_switching_buffers(comm: Any, count: int, switches: list[int]) -> dict[str, Any]:
+    """Allreduce two kept float32 arrays of ``count`` elements, one layout, in the order ``switches[rank]``
+    gives (0: the first array, 1: the second): ranks change memory at calls of their own.
+
+    Returns each call's result and how many calls went direct.
+    """
+    arrays = [np.empty(count, np.float32), np.empty(count, np.float32)]
+    voting = comm.ctx.direct_voting
+    before = voting.calls if voting is not None else 0
+    results = []
+    for call, which in enumerate(switches[comm.rank]):
+        buf = arrays[which]
+        buf[...] = np.arange(count, dtype=np.float32) * (comm.rank + 1) + call
+        comm.allreduce(buf)
+        results.append(buf.copy())
+    voting = comm.ctx.direct_voting
+    return {"results": results, "direct": (voting.calls if voting is not None else 0) - before}
+
+
 def mailbox_posts(comm: Any) -> int:
     """How many posts this rank made in its mailbox (the one-shot route's and the direct route's)."""
     return int(comm.ctx.transport.mailbox.posts)

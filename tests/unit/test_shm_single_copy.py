@@ -82,6 +82,24 @@ def test_a_process_writes_another_ones_word_and_reads_it_back() -> None:
     assert gone.value.errno == errno.ESRCH
 
 
+def test_a_transfer_aims_again_where_the_addresses_or_the_length_change() -> None:
+    """A ``Transfer`` keeps its iovecs between calls and re-aims them only on a change: each of these
+    copies (within this process) lands where it was asked, with the length asked."""
+    source = np.arange(64, dtype=np.uint8)
+    target = np.zeros(64, np.uint8)
+    reads = cma.Transfer(os.getpid(), out=False)
+    here, there = target.ctypes.data, source.ctypes.data
+    for offset, length in [(0, 16), (0, 16), (16, 16), (16, 8), (40, 24)]:
+        target[...] = 0
+        reads.move(here + offset, there + offset, length)
+        want = np.zeros(64, np.uint8)
+        want[offset : offset + length] = source[offset : offset + length]
+        np.testing.assert_array_equal(target, want, err_msg=f"offset {offset}, length {length}")
+    reads.move(here, there, 0)  # nothing to copy: no call
+    with pytest.raises(OSError):
+        reads.move(here, 8, 8)  # not mapped
+
+
 _HOLDER_WORD = """
 import sys
 from ringcore.transport import cma
