@@ -143,7 +143,7 @@ from ringcore.transport.wire import ProtocolError
 log = logging.getLogger("ringcore")
 
 TIGHT_SPIN = 50e-6  # seconds of polling without a syscall before yielding
-LIVENESS_EVERY = 1e-3  # seconds between looks at the local peers' TCP news when a collective starts
+LIVENESS_EVERY = 10e-3  # seconds between looks at the local peers' TCP news when a collective starts
 BLOCK_MAX = 1e-3  # the longest block in poll: what a lost wake-up may cost (shm_ring, "Lost wake-ups")
 IDLE_GRACE = 0.5  # seconds with nothing moving before news of a peer the posted work does not involve counts
 WITHDRAWN_GRACE = 2.0  # seconds to wait for the reason of a peer that withdrew a frame (its ABORT)
@@ -503,10 +503,15 @@ class ShmTransport:
         A collective over shared memory may never wait long enough to look at
         TCP, so without this a local peer that aborted, shut down or lost its
         connections would go unnoticed for as long as its rings keep moving.
-        At most every ``LIVENESS_EVERY`` s: the ``poll`` costs about 0.5 us,
-        a tenth of a 4 KiB allreduce's advantage over TCP at N=2. So does the
+        At most every ``LIVENESS_EVERY`` s: the ``poll`` costs about 0.5 us
+        warm, a tenth of a 4 KiB allreduce's advantage over TCP at N=2. So does the
         look at frames already waiting where this collective posts no receive
         (``_check_idle``, 0.25 us per local peer), which every wait makes too.
+        Cold, between two 1 MiB allreduces at N=4 on 2 cores, the two took 6 us
+        of CPU, and the rank that looks is often the one everyone waits for: a
+        look every 1 ms cost 10-13 us of a 300 us call, every 10 ms about 3
+        (``bench/HISTORY.md``, "The look at TCP news"). A peer's ABORT is heard
+        within 10 ms while the rings keep moving, and at once in any wait past the spin.
         """
         self._start(seq, signature, nbytes)
         now = time.perf_counter()
