@@ -140,7 +140,7 @@ def local_size() -> int:
 def allreduce(buf: Any, op: Any = "sum", compression: Any = None, name: str | None = None) -> Any:
     """See :meth:`Communicator.allreduce`."""
     comm = _default if _default is not None else communicator()  # no call: a 4 KiB allreduce counts them
-    return comm.allreduce(buf, op, compression, name)  # positional: keywords cost 0.2 us
+    return comm._run(comm._allreduce_plan(buf, op, compression), buf, name)  # Communicator.allreduce
 
 
 def allreduce_async(buf: Any, op: Any = "sum", compression: Any = None, name: str | None = None) -> Handle:

@@ -70,7 +70,7 @@ from ringcore.config import Settings
 from ringcore.context import Context
 from ringcore.descriptor import Descriptor
 from ringcore.errors import CollectiveTimeout, CommunicatorClosed
-from ringcore.kernels.numpy_ops import ignoring_fp_errors
+from ringcore.kernels.numpy_ops import FP_ERRORS, IGNORE_FP_ERRORS, ignoring_fp_errors
 from ringcore.ops import Compression, ReduceOp
 from ringcore.plans import allreduce, broadcast, gather
 from ringcore.plans.barrier import BarrierPlan
@@ -433,13 +433,21 @@ class Communicator:
         seq = ticket + 1  # collectives are numbered from 1 in messages
         if self._turn != ticket:
             self._await_turn(ticket)
-        timeline, start = self.timeline, 0.0
+        timeline, start, progress = self.timeline, 0.0, self.progress
         try:  # from the first call after the turn is this thread's: a signal there passes it on too
-            self.progress.enter(seq, plan.kind, name)
+            progress.seq, progress.kind, progress.name, progress.done = seq, plan.kind, name, False
+            progress.version += 1  # last: the record is whole (stall.Progress)
             if timeline is not None:
                 start = Timeline.now_us()
-            self._check_usable(plan.kind, seq)
-            return ignoring_fp_errors(plan.run, obj, seq)
+            if self.ctx.broken is not None or (self.stall is not None and self.stall.reason is not None):
+                self._check_usable(plan.kind, seq)  # raises
+            if FP_ERRORS is None:
+                return ignoring_fp_errors(plan.run, obj, seq)
+            token = FP_ERRORS.set(IGNORE_FP_ERRORS)  # ignoring_fp_errors, written out: one call fewer
+            try:
+                return plan.run(obj, seq)
+            finally:
+                FP_ERRORS.reset(token)
         except BaseException as err:
             if self.ctx.broken is None and not isinstance(err, Exception):
                 # e.g. KeyboardInterrupt before the plan's own handling began: peers must not wait
@@ -447,7 +455,8 @@ class Communicator:
             raise
         finally:
             try:
-                self.progress.leave()
+                progress.done = True
+                progress.version += 1
                 if timeline is not None:
                     args = {"seq": seq, "name": name, "bytes": plan.nbytes, **plan.details}
                     timeline.complete(f"{plan.kind} #{seq}", "collective", start, Timeline.now_us(), args)

@@ -34,7 +34,15 @@ _ABORT_KEY = "stall/shutdown"
 
 
 class Progress:
-    """What this rank is doing; written by the collective's thread, read by the heartbeat."""
+    """What this rank is doing; written by the collective's thread, read by the heartbeat.
+
+    ``Communicator._run`` writes it directly: on entering a collective ``seq``, ``kind``,
+    ``name`` and ``done = False``, on leaving ``done = True``, each time bumping ``version``
+    last (what the heartbeat compares). Two method calls fewer per collective: a 4 KiB
+    allreduce at N=4 on 2 cores pays every call twice.
+    """
+
+    __slots__ = ("done", "kind", "name", "seq", "version")
 
     def __init__(self) -> None:
         self.seq = 0
@@ -42,14 +50,6 @@ class Progress:
         self.name: str | None = None
         self.done = True
         self.version = 0
-
-    def enter(self, seq: int, kind: str, name: str | None) -> None:
-        self.seq, self.kind, self.name, self.done = seq, kind, name, False
-        self.version += 1
-
-    def leave(self) -> None:
-        self.done = True
-        self.version += 1
 
     def record(self) -> dict[str, Any]:
         return {"seq": self.seq, "kind": self.kind, "name": self.name, "done": self.done}

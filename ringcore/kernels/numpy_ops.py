@@ -69,6 +69,7 @@ def _errstate_variable() -> tuple[Any, Any]:
 
 
 _extobj_contextvar, _IGNORE_ALL = _errstate_variable()
+FP_ERRORS, IGNORE_FP_ERRORS = _extobj_contextvar, _IGNORE_ALL  # for a caller that sets it inline
 
 
 def ignoring_fp_errors(run: Callable[..., T], *args: Any) -> T:

@@ -138,15 +138,19 @@ def test_an_interrupt_inside_the_turn_breaks_the_communicator_and_passes_the_tur
     """A KeyboardInterrupt after the turn began but before the plan ran: the communicator is broken
     (this rank skipped a collective its peers run) and the next call says so at once."""
     comm = Communicator(0, 1, 0, 1, Settings(), None)
-    real = comm._check_usable
+    real = comm.stall
 
-    def interrupted(kind: str, seq: int) -> None:
-        raise KeyboardInterrupt
+    class Interrupted:
+        """A stall inspector whose verdict, read in the turn before the plan runs, is a Ctrl-C."""
 
-    comm._check_usable = interrupted  # type: ignore[method-assign]
+        @property
+        def reason(self) -> str | None:
+            raise KeyboardInterrupt
+
+    comm.stall = Interrupted()  # type: ignore[assignment]
     with pytest.raises(KeyboardInterrupt):
         comm.barrier()
-    comm._check_usable = real  # type: ignore[method-assign]
+    comm.stall = real
     assert isinstance(comm.ctx.broken, KeyboardInterrupt)
     with pytest.raises(ringcore.CommunicatorClosed, match="after an earlier failure"):
         comm.barrier()
