@@ -369,9 +369,10 @@ class DirectRoute:
                 gone = voting.gave_up(seq) if voting is not None else None
                 if gone is None:
                     share, reducer = self._share, self._reducer
-                    if share is None:
-                        share = self._share = direct.shares(plan.count, ctx.size, flat.itemsize)[ctx.rank]
-                        reducer = self._reducer = plan_reducer(plan)
+                    if share is None:  # the first call: both made, then kept together
+                        reducer = plan_reducer(plan)
+                        share = direct.shares(plan.count, ctx.size, flat.itemsize)[ctx.rank]
+                        self._share, self._reducer = share, reducer
                     direct.reduce_and_push(flat, peers, share[0], share[1], reducer)
                 if voting is not None:
                     voting.word[0] = 0
@@ -408,8 +409,8 @@ class DirectRoute:
         return [REMOTE, address, 0, 0]
 
     def _peers(self, flat: np.ndarray, rows: list[list[int]], way: int, voting: Voting) -> list[direct.Peer]:
-        """The peers' buffers in ring order after this rank, mapped or remote (the remote ones kept with
-        the rows that gave them: ``_voted``)."""
+        """The peers' buffers in ring order after this rank, mapped or remote (the remote ones recorded
+        in ``_voted`` with the rows that gave them, for :meth:`_vote` to reuse)."""
         rank, size, plan = self.ctx.rank, self.ctx.size, self.plan
         if way == MAPPED:
             found = self.ctx.symmetric.locate(flat)  # type: ignore[union-attr]

@@ -510,8 +510,10 @@ class ShmTransport:
         Cold, between two 1 MiB allreduces at N=4 on 2 cores, the two took 6 us
         of CPU, and the rank that looks is often the one everyone waits for: a
         look every 1 ms cost 10-13 us of a 300 us call, every 10 ms about 3
-        (``bench/HISTORY.md``, "The look at TCP news"). A peer's ABORT is heard
-        within 10 ms while the rings keep moving, and at once in any wait past the spin.
+        (``bench/HISTORY.md``, "The direct route's Python trimmed, the look at TCP
+        news every 10 ms"). While the rings keep moving, a peer's ABORT is heard at
+        the first collective that starts 10 ms or more after the last look (in the
+        mailboxes, while a peer has yet to post), and in any wait past the spin at once.
         """
         self._start(seq, signature, nbytes)
         now = time.perf_counter()

@@ -14,6 +14,7 @@ import pytest
 import ringcore
 from ringcore.comm import Communicator
 from ringcore.config import Settings
+from ringcore.kernels import numpy_ops
 from ringcore.plans.base import CallPlan
 
 pytestmark = pytest.mark.timeout(30)
@@ -220,4 +221,40 @@ def test_a_done_callback_raising_system_exit_leaves_the_async_worker_running() -
     first.wait(10)
     second = comm._run_async(CallPlan("test", lambda obj, seq: seq), None, None)
     assert second.wait(10) == 2
+    comm.shutdown()
+
+
+@pytest.mark.parametrize("numpy_state", ["context variable", "np.errstate"])
+def test_a_collective_runs_with_float_errors_ignored_and_the_callers_state_comes_back(
+    numpy_state: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn sets numpy's error state itself (the context variable), or through ``np.errstate``
+    where numpy has no such variable; either way the plan runs ignoring float errors, and the
+    caller's state is back afterwards, also when the plan raises."""
+    from ringcore import comm as comm_module
+
+    if numpy_state == "np.errstate":
+        monkeypatch.setattr(comm_module, "FP_ERRORS", None)
+        monkeypatch.setattr(numpy_ops, "_extobj_contextvar", None)
+    comm = Communicator(0, 1, 0, 1, Settings(), None)
+
+    class Probe:
+        kind, nbytes, details = "allreduce", 0, {}
+
+        def __init__(self, fail: bool) -> None:
+            self.fail = fail
+
+        def run(self, obj: Any, seq: int) -> dict[str, str]:
+            big = np.full(4, np.finfo(np.float32).max, np.float32)
+            np.add(big, big, out=np.empty_like(big))  # overflow: raises under the caller's state
+            if self.fail:
+                raise ValueError("the plan failed")
+            return np.geterr()
+
+    with np.errstate(all="raise"):
+        assert set(comm._run(Probe(False), None, None).values()) == {"ignore"}
+        assert set(np.geterr().values()) == {"raise"}
+        with pytest.raises(ValueError, match="the plan failed"):
+            comm._run(Probe(True), None, None)
+        assert set(np.geterr().values()) == {"raise"}
     comm.shutdown()

@@ -55,7 +55,7 @@ def test_a_process_reads_another_ones_token_and_nothing_else() -> None:
 
 def test_a_process_writes_another_ones_word_and_reads_it_back() -> None:
     """A ``Channel``'s ``copy_out``/``copy_in`` at an address of another process: the direct allreduce's words and pushes,
-    the same channel again and again, as a ``Remote`` peer uses it."""
+    the same channel (its two ``Transfer``s, as a ``Remote`` peer holds them) again and again."""
     holder = subprocess.Popen(
         [sys.executable, "-c", _HOLDER_WORD], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
