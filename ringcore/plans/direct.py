@@ -111,7 +111,6 @@ FIELDS = 4  # way, address, allocation serial, byte offset
 ROW_BYTES = FIELDS * 8
 VOTE_PART = (1 << wire.PART_BITS) - 1  # not part 0, with which the ring may follow the vote
 DONE_PART = VOTE_PART - 1
-_INT64 = np.dtype(np.int64)
 WRITER_GRACE = 10.0  # seconds a failing rank waits for peers still writing into its buffer
 
 
@@ -198,10 +197,16 @@ class Voting:
         self.word: Any  # [0]: this rank's word
         self.words: dict[int, SharedWord | cma.Word]
         self.shared: list[tuple[int, memoryview]] = []  # (peer, its word) where they lie in the mailboxes
+        self.posted: list[list[memoryview]] = []  # per mailbox slot, every rank's row there
         if mailbox is not None:  # the words in the mailboxes (agreed at set-up): a load each
             self.word = mailbox.words[self.rank]
             self.words = {peer: SharedWord(mailbox.words[peer], probe) for peer, probe in probes.items()}
             self.shared = [(peer, mailbox.words[peer]) for peer in probes]
+            # each slot's rows, every rank's, as int64 memoryviews: stores and a tolist, no numpy calls
+            self.posted = [
+                [memoryview(mailbox.payload(rank, slot)[:ROW_BYTES]).cast("q") for rank in range(self.size)]
+                for slot in (0, 1)
+            ]
         else:  # each in its rank's memory: a system call each
             self.word, self.words = transport.word, dict(probes)
         self.calls = 0  # calls that went direct on this context, every plan's (one-call plans' too)
@@ -221,8 +226,9 @@ class Voting:
         a sum of rows that are zero but for each rank's own."""
         mailbox = self.mailbox
         if mailbox is not None:
-            posted = mailbox.inputs(mailbox.slot, ROW_BYTES, _INT64)
-            posted[self.rank][:] = row
+            posted = self.posted[mailbox.slot]
+            mine = posted[self.rank]
+            mine[0], mine[1], mine[2], mine[3] = row
             oneshot.meet(self.ctx, self.ctx.transport, seq, signature, oneshot.POSTED, ROW_BYTES)  # type: ignore[arg-type]
             return [rows.tolist() for rows in posted]
         rows = self.rows
