@@ -117,6 +117,10 @@ WRITER_GRACE = 10.0  # seconds a failing rank waits for peers still writing into
 class Remote:
     """A peer's buffer in its own process, copied from and to with one system call per piece (``cma``).
 
+    Each direction's :class:`ringcore.transport.cma.Transfer` stays aimed at the last piece it
+    copied, so a training loop's calls (the same share each time) make the system call with no
+    Python between: at N=4 1 MiB, six copies a call.
+
     Args:
         rank, pid, host: the peer, its process and its ``host:port`` (for errors).
         address: where the peer's buffer starts, in its process.
@@ -125,7 +129,20 @@ class Remote:
             combined before the next).
     """
 
-    __slots__ = ("address", "here", "host", "itemsize", "rank", "reads", "scratch", "scratch_at", "writes")
+    __slots__ = (
+        "_piece",
+        "_read_at",
+        "_write_at",
+        "address",
+        "here",
+        "host",
+        "itemsize",
+        "rank",
+        "reads",
+        "scratch",
+        "scratch_at",
+        "writes",
+    )
 
     def __init__(
         self, rank: int, pid: int, address: int, mine: np.ndarray, scratch: np.ndarray, host: str = ""
@@ -135,22 +152,31 @@ class Remote:
         self.here, self.itemsize = _address(mine), mine.itemsize
         self.scratch = scratch.view(mine.dtype)
         self.scratch_at = _address(scratch)
+        self._read_at = self._write_at = (-1, -1, 0)  # (lo, hi, bytes) each transfer is aimed at
+        self._piece = self.scratch[:0]  # the scratch's view of the last piece read
 
     def read(self, lo: int, hi: int) -> np.ndarray:
-        itemsize = self.itemsize
-        try:
-            self.reads.move(self.scratch_at, self.address + lo * itemsize, (hi - lo) * itemsize)
-        except OSError as err:
-            raise self._failure("read", err) from None
-        return self.scratch[: hi - lo]
+        at = self._read_at
+        if at[0] != lo or at[1] != hi:
+            at = self._aim(self.reads, self.scratch_at, lo, hi)
+            self._read_at, self._piece = at, self.scratch[: hi - lo]
+        got = self.reads.call()
+        if got != at[2]:
+            raise self._failure("read", self.reads.failure(got, at[2]))
+        return self._piece
 
     def write(self, mine: np.ndarray, lo: int, hi: int) -> None:
-        itemsize = self.itemsize
-        offset = lo * itemsize
-        try:
-            self.writes.move(self.here + offset, self.address + offset, (hi - lo) * itemsize)
-        except OSError as err:
-            raise self._failure("write", err) from None
+        at = self._write_at
+        if at[0] != lo or at[1] != hi:
+            at = self._write_at = self._aim(self.writes, self.here + lo * self.itemsize, lo, hi)
+        got = self.writes.call()
+        if got != at[2]:
+            raise self._failure("write", self.writes.failure(got, at[2]))
+
+    def _aim(self, transfer: cma.Transfer, here: int, lo: int, hi: int) -> tuple[int, int, int]:
+        nbytes = (hi - lo) * self.itemsize
+        transfer.aim(here, self.address + lo * self.itemsize, nbytes)
+        return lo, hi, nbytes
 
     def _failure(self, what: str, err: OSError) -> PeerFailure:
         why = "its process is gone" if err.errno == errno.ESRCH else (err.strerror or str(err))

@@ -70,44 +70,53 @@ class Transfer:
     """Copies in one direction between this process and process ``pid``, one system call each.
 
     The iovecs are aimed again only when the addresses or the length change, and
-    the call is bound to them once (``functools.partial`` of the C function: no
-    Python frame of its own). The direct allreduce copies the same piece from and
-    to every peer in every call of a training loop (:mod:`ringcore.plans.direct`):
-    aiming the iovecs anew, as before, cost a third of a copy's Python there.
+    the call is bound to them once (``call``, a ``functools.partial`` of the C
+    function: no Python frame of its own). The direct allreduce copies the same
+    piece from and to every peer in every call of a training loop
+    (:mod:`ringcore.plans.direct`, whose ``Remote`` aims and calls it itself):
+    aiming the iovecs anew each time cost a third of a copy's Python there.
 
     Args:
         pid: the other process.
         out: ``process_vm_writev`` (this process to the other), else ``process_vm_readv``.
     """
 
-    __slots__ = ("_aimed", "_call", "did", "here", "there")
+    __slots__ = ("_aimed", "call", "did", "here", "there")
 
     def __init__(self, pid: int, out: bool) -> None:
         assert _LIBC is not None
         self.here, self.there = _Iovec(), _Iovec()
         function = _LIBC.process_vm_writev if out else _LIBC.process_vm_readv
-        self._call = functools.partial(
+        # call(): copy what the iovecs name; the bytes copied, or -1 with errno set
+        self.call = functools.partial(
             function, pid, ctypes.pointer(self.here), 1, ctypes.pointer(self.there), 1, 0
         )
         self._aimed = (0, 0, 0)  # (here, there, nbytes) the iovecs hold
         self.did = "wrote" if out else "read"
+
+    def aim(self, here: int, there: int, nbytes: int) -> None:
+        """Point the iovecs at ``nbytes`` at ``here`` (this process) and ``there`` (the other)."""
+        self.here.base, self.here.length = here, nbytes
+        self.there.base, self.there.length = there, nbytes
+        self._aimed = (here, there, nbytes)
+
+    def failure(self, got: int, nbytes: int) -> OSError:
+        """The error of a ``call()`` that returned ``got`` where ``nbytes`` were asked (right after it)."""
+        if got < 0:
+            code = ctypes.get_errno()
+            return OSError(code, os.strerror(code))
+        return OSError(errno.EFAULT, f"{self.did} {got} of {nbytes} bytes")
 
     def move(self, here: int, there: int, nbytes: int) -> None:
         """Copy ``nbytes`` between ``here`` (this process) and ``there`` (the other), in this transfer's
         direction; raises ``OSError`` as :func:`read`."""
         if not nbytes:
             return
-        aim = (here, there, nbytes)
-        if aim != self._aimed:
-            self.here.base, self.here.length = here, nbytes
-            self.there.base, self.there.length = there, nbytes
-            self._aimed = aim
-        got = self._call()
+        if (here, there, nbytes) != self._aimed:
+            self.aim(here, there, nbytes)
+        got = self.call()
         if got != nbytes:
-            if got < 0:
-                code = ctypes.get_errno()
-                raise OSError(code, os.strerror(code))
-            raise OSError(errno.EFAULT, f"{self.did} {got} of {nbytes} bytes")
+            raise self.failure(got, nbytes)
 
 
 class Channel:

@@ -143,7 +143,8 @@ from ringcore.transport.wire import ProtocolError
 log = logging.getLogger("ringcore")
 
 TIGHT_SPIN = 50e-6  # seconds of polling without a syscall before yielding
-LIVENESS_EVERY = 10e-3  # seconds between looks at the local peers' TCP news when a collective starts
+LIVENESS_EVERY = 1e-3  # seconds between looks at the local peers' TCP news when a collective starts
+IDLE_LOOK_EVERY = 10e-3  # seconds between those looks' peeks at frames waiting unasked (_check_idle)
 BLOCK_MAX = 1e-3  # the longest block in poll: what a lost wake-up may cost (shm_ring, "Lost wake-ups")
 IDLE_GRACE = 0.5  # seconds with nothing moving before news of a peer the posted work does not involve counts
 WITHDRAWN_GRACE = 2.0  # seconds to wait for the reason of a peer that withdrew a frame (its ABORT)
@@ -473,6 +474,7 @@ class ShmTransport:
         self.episode = 0  # the last sleep's number, stored in the rings it waited on
         self.liveness = select.poll()  # the local peers' TCP connections, which carry no data
         self.next_liveness = 0.0  # when expect() or meet_posts() may poll them again
+        self.next_idle_look = 0.0  # when that look may peek at the rings again (_look_around)
         self.watched = {control.conns[(peer, 0)].fd: control.conns[(peer, 0)] for peer in self.local}
         for fd in self.watched:
             self.liveness.register(fd, _LIVENESS_EVENTS)
@@ -503,17 +505,19 @@ class ShmTransport:
         A collective over shared memory may never wait long enough to look at
         TCP, so without this a local peer that aborted, shut down or lost its
         connections would go unnoticed for as long as its rings keep moving.
-        At most every ``LIVENESS_EVERY`` s: the ``poll`` costs about 0.5 us
-        warm, a tenth of a 4 KiB allreduce's advantage over TCP at N=2. So does the
-        look at frames already waiting where this collective posts no receive
-        (``_check_idle``, 0.25 us per local peer), which every wait makes too.
-        Cold, between two 1 MiB allreduces at N=4 on 2 cores, the two took 6 us
-        of CPU, and the rank that looks is often the one everyone waits for: a
-        look every 1 ms cost 10-13 us of a 300 us call, every 10 ms about 3
-        (``bench/HISTORY.md``, "The direct route's Python trimmed, the look at TCP
-        news every 10 ms"). While the rings keep moving, a peer's ABORT is heard at
-        the first collective that starts 10 ms or more after the last look (in the
-        mailboxes, while a peer has yet to post), and in any wait past the spin at once.
+        At most every ``LIVENESS_EVERY`` s (1 ms): the ``poll`` costs about 0.5 us
+        warm, a tenth of a 4 KiB allreduce's advantage over TCP at N=2. The look
+        at frames already waiting where this collective posts no receive
+        (``_check_idle``, 0.25 us per local peer warm, which every wait makes too)
+        goes with it at most every ``IDLE_LOOK_EVERY`` s (10 ms). Cold, between two
+        1 MiB allreduces at N=4 on 2 cores, the two took 6 us of CPU (the ``poll``
+        2.4), and the rank that looks is often the one everyone waits for: both every
+        1 ms cost 10-13 us of a 300 us call (``bench/HISTORY.md``, "The direct
+        route's Python trimmed, the look at TCP news"). So while the rings keep
+        moving, a peer's ABORT or hang-up is heard at the first collective that
+        starts 1 ms or more after the last look (in the mailboxes, while a peer has
+        yet to post), and in any wait past the spin at once: a rank that lost its
+        network fails the next collective (``tests/reliability/test_faults.py``).
         """
         self._start(seq, signature, nbytes)
         now = time.perf_counter()
@@ -532,13 +536,15 @@ class ShmTransport:
             self.control.current = self.current
 
     def _look_around(self, now: float) -> None:
-        """The look at the local peers' TCP news and at frames waiting unasked (``expect``), at most
-        every ``LIVENESS_EVERY`` s."""
+        """The look at the local peers' TCP news, at most every ``LIVENESS_EVERY`` s, and at frames
+        waiting unasked, at most every ``IDLE_LOOK_EVERY`` s (``expect``)."""
         self.next_liveness = now + LIVENESS_EVERY
         if self.watched:
             for fd, _ in self.liveness.poll(0):
                 self._hear(fd)  # news from between collectives (or deferred by the last one) counts now
-        self._check_idle()
+        if now > self.next_idle_look:
+            self.next_idle_look = now + IDLE_LOOK_EVERY
+            self._check_idle()
 
     def route(self, peer: int, segment: int) -> int:
         channel = segment % self.channels

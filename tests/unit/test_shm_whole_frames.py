@@ -111,7 +111,7 @@ def _stray_frame_case() -> list:
 
 
 def test_a_stray_frame_of_the_collective_with_another_signature_fails_the_wait() -> None:
-    """``expect`` looks at idle frames at most every ``LIVENESS_EVERY``; a wait always looks."""
+    """``expect`` looks at idle frames at most every ``IDLE_LOOK_EVERY``; a wait always looks."""
     t = _stray_frame_case()
     try:
         t[0].next_liveness = float("inf")  # expect itself does not look this time
@@ -126,9 +126,14 @@ def test_a_stray_frame_of_the_collective_with_another_signature_fails_the_wait()
 
 
 def test_expect_finds_a_stray_frame_once_the_liveness_interval_passed() -> None:
+    """The look at TCP news is due (1 ms) but its peek at idle frames is not (10 ms): nothing
+    found; once both are due, the stray frame is."""
     t = _stray_frame_case()
     try:
-        t[0].next_liveness = 0.0
+        t[0].next_liveness, t[0].next_idle_look = 0.0, float("inf")
+        t[0].expect(SEQ, SIG)  # the sockets polled, the rings not peeked at
+        assert t[0].next_liveness > 0.0, "the look at TCP news did not run"
+        t[0].next_liveness = t[0].next_idle_look = 0.0
         with pytest.raises(FrameMismatch, match="signature") as info:
             t[0].expect(SEQ, SIG)
         assert info.value.peer == 1
