@@ -117,9 +117,10 @@ WRITER_GRACE = 10.0  # seconds a failing rank waits for peers still writing into
 class Remote:
     """A peer's buffer in its own process, copied from and to with one system call per piece (``cma``).
 
-    Each direction's :class:`ringcore.transport.cma.Transfer` stays aimed at the last piece it
-    copied, so a training loop's calls (the same share each time) make the system call with no
-    Python between: at N=4 1 MiB, six copies a call.
+    Each direction's :class:`ringcore.transport.cma.Transfer` (this peer's alone: nothing else
+    aims it) stays aimed at the last piece it copied, so where a share is one piece (up to
+    ``PIECE_BYTES``: at N=4 1 MiB, six copies a call) a training loop's calls make the system
+    call with no Python between; a share of several pieces aims them again at every piece.
 
     Args:
         rank, pid, host: the peer, its process and its ``host:port`` (for errors).

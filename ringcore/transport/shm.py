@@ -517,7 +517,8 @@ class ShmTransport:
         moving, a peer's ABORT or hang-up is heard at the first collective that
         starts 1 ms or more after the last look (in the mailboxes, while a peer has
         yet to post), and in any wait past the spin at once: a rank that lost its
-        network fails the next collective (``tests/reliability/test_faults.py``).
+        network fails, within about a millisecond, a collective that still moves
+        over shared memory (``tests/reliability/test_faults.py``).
         """
         self._start(seq, signature, nbytes)
         now = time.perf_counter()

@@ -179,6 +179,36 @@ def test_reduce_and_push_give_every_buffer_the_reduction(op: str, size: int, way
 
 
 @pytest.mark.skipif(not cma.available(), reason="process_vm_readv is not available on this platform")
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_remote_peers_kept_across_calls_reach_each_calls_data(pieces: int) -> None:
+    """The route keeps its ``Remote`` peers while every rank passes the same memory (a training
+    loop): the same peers, three calls with fresh inputs, give each call's sum. One piece a share:
+    the transfers stay aimed from call to call; several: they are aimed again at every piece."""
+    size = 3
+    count = size * (pieces * direct.PIECE_BYTES // 8) - 5
+    buffers = [np.empty(count) for _ in range(size)]
+    reducer = Reducer(DTYPES["float64"], ReduceOp.SUM, Compression.NONE, size)
+    bounds = direct.shares(count, size, 8)
+    scratch = np.empty(direct.PIECE_BYTES, np.uint8)
+    kept = {
+        rank: [
+            route.Remote(peer, os.getpid(), buffers[peer].ctypes.data, buffers[rank], scratch)
+            for peer in [(rank + step) % size for step in range(1, size)]
+        ]
+        for rank in range(size)
+    }
+    rng = np.random.default_rng(pieces)
+    for call in range(3):
+        inputs = [rng.integers(-9, 9, count).astype(np.float64) for _ in range(size)]
+        for buf, x in zip(buffers, inputs, strict=True):
+            buf[...] = x
+        for rank in range(size):
+            direct.reduce_and_push(buffers[rank], kept[rank], *bounds[rank], reducer)
+        for rank, buf in enumerate(buffers):
+            np.testing.assert_array_equal(buf, np.sum(inputs, axis=0), err_msg=f"call {call}, rank {rank}")
+
+
+@pytest.mark.skipif(not cma.available(), reason="process_vm_readv is not available on this platform")
 def test_a_remote_peer_whose_process_is_gone_is_a_peer_failure_naming_it() -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(timeout=20)  # reaped: the pid names no process
