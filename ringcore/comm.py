@@ -70,7 +70,7 @@ from ringcore.config import Settings
 from ringcore.context import Context
 from ringcore.descriptor import Descriptor
 from ringcore.errors import CollectiveTimeout, CommunicatorClosed
-from ringcore.kernels.numpy_ops import FP_ERRORS, IGNORE_FP_ERRORS, ignoring_fp_errors
+from ringcore.kernels import numpy_ops
 from ringcore.ops import Compression, ReduceOp
 from ringcore.plans import allreduce, broadcast, gather
 from ringcore.plans.barrier import BarrierPlan
@@ -441,13 +441,16 @@ class Communicator:
                 start = Timeline.now_us()
             if self.ctx.broken is not None or (self.stall is not None and self.stall.reason is not None):
                 self._check_usable(plan.kind, seq)  # raises
-            if FP_ERRORS is None:
-                return ignoring_fp_errors(plan.run, obj, seq)
-            token = FP_ERRORS.set(IGNORE_FP_ERRORS)  # ignoring_fp_errors, written out: one call fewer
+            variable = numpy_ops.FP_ERRORS
+            if variable is None:
+                return numpy_ops.ignoring_fp_errors(plan.run, obj, seq)
+            token = variable.set(
+                numpy_ops.IGNORE_FP_ERRORS
+            )  # ignoring_fp_errors, written out: one call fewer
             try:
                 return plan.run(obj, seq)
             finally:
-                FP_ERRORS.reset(token)
+                variable.reset(token)
         except BaseException as err:
             if self.ctx.broken is None and not isinstance(err, Exception):
                 # e.g. KeyboardInterrupt before the plan's own handling began: peers must not wait
@@ -538,4 +541,4 @@ class Communicator:
     def confirm_world(self) -> None:
         """A barrier outside the numbered collectives (#0): every rank is connected and alive."""
         if self.size > 1:
-            ignoring_fp_errors(self._barrier.run, None, 0)
+            numpy_ops.ignoring_fp_errors(self._barrier.run, None, 0)

@@ -68,8 +68,9 @@ def _errstate_variable() -> tuple[Any, Any]:
     return (_extobj_contextvar, ignore) if works else (None, None)
 
 
-_extobj_contextvar, _IGNORE_ALL = _errstate_variable()
-FP_ERRORS, IGNORE_FP_ERRORS = _extobj_contextvar, _IGNORE_ALL  # for a caller that sets it inline
+# numpy's error-state variable and the value that ignores every error (None, None: use np.errstate);
+# the communicator's turn sets it inline (Communicator._run), everything else through ignoring_fp_errors.
+FP_ERRORS, IGNORE_FP_ERRORS = _errstate_variable()
 
 
 def ignoring_fp_errors(run: Callable[..., T], *args: Any) -> T:
@@ -79,14 +80,14 @@ def ignoring_fp_errors(run: Callable[..., T], *args: Any) -> T:
     us, a tenth of a small allreduce's Python) and reset on the way out, so
     the caller's own error state is back afterwards.
     """
-    if _extobj_contextvar is None:
+    if FP_ERRORS is None:
         with np.errstate(all="ignore"):
             return run(*args)
-    token = _extobj_contextvar.set(_IGNORE_ALL)
+    token = FP_ERRORS.set(IGNORE_FP_ERRORS)
     try:
         return run(*args)
     finally:
-        _extobj_contextvar.reset(token)
+        FP_ERRORS.reset(token)
 
 
 def bf16_to_f32(src: np.ndarray, out: np.ndarray) -> np.ndarray:

@@ -249,9 +249,9 @@ def test_quietly_ignores_float_errors_and_gives_the_callers_state_back(
     path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if path == "np.errstate":  # what a numpy without the checked context variable gets
-        monkeypatch.setattr(numpy_ops, "_extobj_contextvar", None)
+        monkeypatch.setattr(numpy_ops, "FP_ERRORS", None)
     else:
-        assert numpy_ops._extobj_contextvar is not None, "numpy 2 should take the fast path"
+        assert numpy_ops.FP_ERRORS is not None, "numpy 2 should take the fast path"
     big = np.full(4, np.finfo(np.float32).max, np.float32)
 
     def overflow() -> dict[str, str]:

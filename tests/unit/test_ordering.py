@@ -231,11 +231,9 @@ def test_a_collective_runs_with_float_errors_ignored_and_the_callers_state_comes
     """The turn sets numpy's error state itself (the context variable), or through ``np.errstate``
     where numpy has no such variable; either way the plan runs ignoring float errors, and the
     caller's state is back afterwards, also when the plan raises."""
-    from ringcore import comm as comm_module
 
     if numpy_state == "np.errstate":
-        monkeypatch.setattr(comm_module, "FP_ERRORS", None)
-        monkeypatch.setattr(numpy_ops, "_extobj_contextvar", None)
+        monkeypatch.setattr(numpy_ops, "FP_ERRORS", None)
     comm = Communicator(0, 1, 0, 1, Settings(), None)
 
     class Probe:
