@@ -145,6 +145,8 @@ def bootstrap(world: WorldSpec, settings: Settings, meeting: Meeting | None = No
         transport.spin = settings.spin_seconds()
     if isinstance(transport, ShmTransport):
         transport.control.spin = settings.spin_seconds()
+        crowded = where.one_host and where.crowded  # the same on every rank where mailboxes exist
+        transport.one_reducer = crowded if settings.one_reducer is None else settings.one_reducer
     comm = Communicator(
         world.rank,
         world.size,
@@ -357,6 +359,7 @@ AGREED_SETTINGS = {
     # before RINGCORE_DIRECT_BYTES, whose auto limit it moves: a difference here is named as itself
     "RINGCORE_KERNEL_COPIES": "kernel_copies",
     "RINGCORE_DIRECT_BYTES": "direct_bytes",
+    "RINGCORE_ONE_REDUCER": "one_reducer",
 }
 
 

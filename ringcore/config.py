@@ -69,6 +69,9 @@ class Settings:
     # moves direct_from's auto limits; auto: measured at set-up and agreed (see direct_from)
     kernel_copies: str = "auto"
     spin_us: int | None = None  # busy-poll before sleeping; None: auto (see spin_seconds)
+    # one-shot allreduces (ringcore.plans.oneshot, "One reducer"): one rank reduces each for all (True)
+    # or every rank reduces (False); None: auto, one where the host's ranks outnumber its CPUs
+    one_reducer: bool | None = None
     log_level: str = "WARNING"
     secret: bytes | None = None
     handshake_timeout: float = 10.0
@@ -123,6 +126,7 @@ class Settings:
             direct_bytes=reader.size_or_auto("RINGCORE_DIRECT_BYTES", minimum=0),
             kernel_copies=_choice("RINGCORE_KERNEL_COPIES", env.get("RINGCORE_KERNEL_COPIES"), KERNEL_COPIES),
             spin_us=_spin(env.get("RINGCORE_SPIN_US", "auto")),
+            one_reducer=reader.flag_or_auto("RINGCORE_ONE_REDUCER"),
             log_level=_choice("RINGCORE_LOG_LEVEL", env.get("RINGCORE_LOG_LEVEL"), LOG_LEVELS).upper(),
             secret=env["RINGCORE_SECRET"].encode() if "RINGCORE_SECRET" in env else None,
             handshake_timeout=reader.float("RINGCORE_HANDSHAKE_TIMEOUT", cls.handshake_timeout),
@@ -340,6 +344,11 @@ class _Reader:
         if text in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"{name}={text!r} is not a flag; use 1 or 0")
+
+    def flag_or_auto(self, name: str) -> bool | None:
+        if self.env.get(name, "").strip().lower() in ("", "auto"):
+            return None
+        return self.flag(name, False)
 
     def size_or_auto(self, name: str, minimum: int) -> int | None:
         text = self.env.get(name, "").strip()

@@ -14,7 +14,8 @@ through the scheduler. Recursive doubling over the pair rings waits
    check, a dead or departed peer named);
 3. it checks every peer's signature (``MismatchError`` naming who differs,
    before the caller's buffer is touched) and reduces the ``N`` posted
-   inputs, in rank order, into the caller's buffer.
+   inputs, in rank order, into the caller's buffer (on a crowded host one
+   rank reduces for all: "One reducer" below).
 
 Every rank reduces the same inputs in the same order, so all end with the
 same bits, and the caller's buffer is written only once nothing can fail:
@@ -45,6 +46,27 @@ vote (where every rank offered nothing: GPU memory, or host memory the
 kernel cannot copy, as CUDA's pinned memory). Every rank saw the same posts,
 so the ranks' choices stay alike; a later call of that signature with
 ordinary host memory takes the rings too.
+
+One reducer. Where the host's ranks outnumber its CPUs (``Placement.crowded``,
+the same on every rank; ``RINGCORE_ONE_REDUCER=1`` or ``0`` decides instead),
+reducing on every rank is work the cores do ``N`` times over while the ranks
+wait on one another: at N=4 on 2 cores, twelve adds where three would do. So
+one rank, ``seq % N`` (a turn each), reduces for all: it waits for every
+post and checks every signature, as above, reduces the inputs in rank order
+into the caller's buffer, copies the result over its input in its slot and
+publishes it (``ShmTransport.publish``: how many ranks take part, then
+``seq`` in its header's result word, the doorbells). Every other rank posts
+and waits for that word alone, checks the reducer's signature against its
+own (the reducer checked every peer's against its), and copies the result
+out. The bits are those of every rank reducing: the same inputs, the same
+order. A failure before the result is published leaves every other buffer
+as it was (the reducer's own may be written, and its error's note says so);
+the reducer's ``ctx.fail`` tells the others, which wait on it. With
+cores for every rank, each rank's own adds run in parallel and one reducer
+only adds its copy and a second hop to everyone's wait (N=2 on 2 cores, by
+hand: 4.3 us against 2.9). Measured (``bench/HISTORY.md``, "One reducer on
+crowded hosts"): by hand at N=3 and 4 on 2 cores, 0.83-0.88x the time of
+every rank reducing; ``compare.py`` at 4-64 KiB, 1.07-1.41x the busbw.
 
 Measured (``bench/HISTORY.md``, "Small allreduces in one shot"): the
 hand-written floors, 4 KiB back to back, are 4.5 us at N=2 and 24.8 at N=4
@@ -122,6 +144,7 @@ from ringcore.descriptor import Descriptor
 from ringcore.plans.base import host_array, plan_reducer
 from ringcore.slicing import note_failure
 from ringcore.transport.base import FrameMismatch
+from ringcore.transport.shm_mailbox import SIGNATURE, TAKING
 
 if TYPE_CHECKING:
     from ringcore.context import Context
@@ -155,6 +178,8 @@ class OneShotRoute:
         self.storage = np.dtype(plan.dtype.storage)
         # What every call reads, bound once: at N=4 on 2 cores each lookup is paid twice a core.
         self.signature, self.nbytes, self.rank = plan.signature, plan.nbytes, plan.ctx.rank
+        self.size = plan.ctx.size
+        self.one_reducer = transport.one_reducer  # agreed at set-up ("One reducer")
         self.declined = plan.ctx.declined  # one set for the context's life (decline clears it in place)
         self._reduce: Any = None  # the plan's reducer's reduce, once made
 
@@ -162,33 +187,50 @@ class OneShotRoute:
         signature = self.signature
         if signature in self.declined:  # every rank passed GPU memory to this collective before
             return False
-        transport = self.transport
+        transport, rank = self.transport, self.rank
         mailbox = transport.mailbox
         assert mailbox is not None
+        reducer = seq % self.size if self.one_reducer else -1  # -1: every rank reduces
         try:
             flat = host_array(self.plan, obj)
             slot = mailbox.slot
             # The slot's views are not kept here: they are the mailbox's, dropped when it closes.
             inputs = mailbox.inputs(slot, self.nbytes, self.storage)
+            way = POSTED
             if flat is not None:
-                inputs[self.rank][...] = flat
-            posted = meet(
-                self.ctx, transport, seq, signature, ABSENT if flat is None else POSTED, self.nbytes
-            )
+                inputs[rank][...] = flat
+            else:
+                way = ABSENT
+            if reducer != rank:
+                posted = meet(self.ctx, transport, seq, signature, way, self.nbytes, "input", reducer)
+            else:  # this rank reduces for all: the result goes where its input was, then is published
+                posted = meet(self.ctx, transport, seq, signature, way, self.nbytes)
+                taking = posted + (way == POSTED)
+                if taking == self.size:
+                    self._finish(flat, inputs, seq, inputs[rank])  # type: ignore[arg-type]
+                transport.publish(slot, seq, taking)
         except BaseException as err:
             self.ctx.fail(Descriptor("allreduce", seq, *self.plan.fields), err)
         if flat is None or posted < len(mailbox.peers):
             if flat is None and not posted:
                 decline(self.ctx, signature)
             return False
-        self._finish(flat, inputs, seq)
+        if reducer < 0:
+            self._finish(flat, inputs, seq)
+        elif reducer != rank:
+            flat[...] = inputs[reducer]  # its result
         self.calls += 1
         return True
 
-    def _finish(self, flat: np.ndarray, inputs: list[np.ndarray], seq: int) -> None:
-        """Every rank's input posted: reduce them all, in rank order, into the caller's buffer."""
+    def _finish(
+        self, flat: np.ndarray, inputs: list[np.ndarray], seq: int, result: np.ndarray | None = None
+    ) -> None:
+        """Every rank's input posted: reduce them all, in rank order, into the caller's buffer (and
+        copy that into ``result``: this rank reduces for all)."""
         try:
             self._reducer()(flat, inputs)
+            if result is not None:
+                result[...] = flat
         except BaseException as err:  # e.g. KeyboardInterrupt between two adds: the buffer is partly written
             note_failure(err, 0, self.plan.count, self.plan.count)
             raise
@@ -210,6 +252,7 @@ class TwoShotRoute(OneShotRoute):
 
     def __init__(self, plan: RoutedPlan, transport: ShmTransport) -> None:
         super().__init__(plan, transport)
+        self.one_reducer = False  # every rank reduces its share already
         mailbox = transport.mailbox
         assert mailbox is not None
         itemsize = self.storage.itemsize
@@ -266,7 +309,9 @@ class TwoShotRoute(OneShotRoute):
         self.calls += 1
         return True
 
-    def _finish(self, flat: np.ndarray, inputs: list[np.ndarray], seq: int) -> None:
+    def _finish(
+        self, flat: np.ndarray, inputs: list[np.ndarray], seq: int, result: np.ndarray | None = None
+    ) -> None:
         mailbox = self.transport.mailbox
         assert mailbox is not None
         share = self.share
@@ -292,29 +337,43 @@ def meet(
     way: int,
     nbytes: int,
     what: str = "input",
+    reducer: int = -1,
 ) -> int:
     """Post this rank's part of collective ``seq`` (``nbytes`` already in its mailbox's next slot, the
     mailbox's ``slot`` before the call), wait for every peer's and check their signatures; how many
     peers posted that they take part (``POSTED``).
+
+    With ``reducer`` (a peer that reduces for all, "One reducer"), wait for its
+    result instead, and take its word for the posts: it checked every signature
+    against its own, and says how many ranks take part.
 
     The one-shot route's one synchronisation, and the direct route's two
     (:mod:`ringcore.plans.direct`). Raises what the caller's ``ctx.fail`` turns
     into every rank's error: ``FrameMismatch`` (a peer posted another
     collective, or sent frames of this one), ``CollectiveTimeout``, ``PeerFailure``.
     """
-    slot = transport.meet_posts(seq, signature, way, nbytes)
+    slot = transport.meet_posts(seq, signature, way, nbytes, reducer)
+    mailbox = transport.mailbox
+    assert mailbox is not None
     if transport.awaited:
         stall = ctx.stall
         watch = Watch(
             transport,
             ctx.settings.timeout,
             stall.interruption if stall is not None else None,
-            lambda: f"waiting for the {what} of " + ", ".join(f"rank {p}" for p in transport.awaited),
+            lambda: (
+                f"waiting for the {what} of " + ", ".join(f"rank {p}" for p in transport.awaited)
+                if reducer < 0
+                else _awaiting_result(mailbox, slot, seq, reducer)
+            ),
         )
         while transport.awaited:
             watch.progress(0.5)
-    mailbox = transport.mailbox
-    assert mailbox is not None
+    if reducer >= 0:
+        head = mailbox.heads[reducer][slot]
+        if head[SIGNATURE] != signature:
+            raise FrameMismatch(reducer, "signature", signature, head[SIGNATURE])
+        return head[TAKING] - (way == POSTED)  # type: ignore[no-any-return]
     taking = 0  # a loop, not sum(generator): a 4 KiB allreduce counts every call
     for head in mailbox.peer_heads[slot]:
         if head[1] != signature:
@@ -325,6 +384,18 @@ def meet(
         if head[2] == POSTED:
             taking += 1
     return taking
+
+
+def _awaiting_result(mailbox: Mailbox, slot: int, seq: int, reducer: int) -> str:
+    """What a rank waiting for ``reducer``'s result of collective ``seq`` waits for, read from the
+    posts: the ranks whose input the reducer still waits for, where a timeout names the culprit."""
+    text = f"waiting for the result of rank {reducer}"
+    if not mailbox.posted(reducer, slot, seq):
+        return text + ", which has not posted its own input"
+    missing = [peer for peer in mailbox.peers if peer != reducer and not mailbox.posted(peer, slot, seq)]
+    if missing:
+        return text + ", which waits for the input of " + ", ".join(f"rank {peer}" for peer in missing)
+    return text + " (every rank posted its input)"
 
 
 def decline(ctx: Context, signature: int) -> None:

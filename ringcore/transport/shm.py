@@ -135,7 +135,7 @@ from typing import Any
 from ringcore.transport import cma, shm_ring, wire
 from ringcore.transport.base import FrameMismatch, Request, check_frame
 from ringcore.transport.registration import view_address
-from ringcore.transport.shm_mailbox import Mailbox
+from ringcore.transport.shm_mailbox import RESULT, SEQ, Mailbox
 from ringcore.transport.shm_ring import Doorbell, Ring, Segment
 from ringcore.transport.tcp import TcpTransport
 from ringcore.transport.wire import ProtocolError
@@ -447,8 +447,11 @@ class ShmTransport:
         self.word: Any = None
         self.peer_words: dict[int, int] = {}
         self.mailbox: Mailbox | None = None  # every rank's, where all are on this host (shm_setup)
+        # one rank reduces each one-shot allreduce for all (ringcore.plans.oneshot, "One reducer"):
+        # where the host's ranks outnumber its CPUs, or RINGCORE_ONE_REDUCER (agreed; bootstrap sets it)
+        self.one_reducer = False
         self.awaited: list[int] = []  # local peers whose post this rank waits for ("Mailboxes")
-        self.awaited_post = (0, 0)  # (slot, seq) of the post awaited
+        self.awaited_post = (0, 0, SEQ)  # (slot, seq, header word) awaited: a post, or a result
         self.pointing = [True]  # whether the running collective points (expect), seen by every link
         self.cache_bytes = cache_bytes
         self.links = {
@@ -742,9 +745,10 @@ class ShmTransport:
 
     # -- the mailboxes ("Mailboxes", module docstring) ------------------------------------------
 
-    def meet_posts(self, seq: int, signature: int, way: int, nbytes: int) -> int:
+    def meet_posts(self, seq: int, signature: int, way: int, nbytes: int, reducer: int = -1) -> int:
         """Post this rank's part of collective ``seq`` (its ``nbytes`` already in its mailbox's next
-        slot), start the collective and poll for every peer's post; the slot.
+        slot), start the collective and poll for every peer's post (``reducer`` >= 0: for that peer's
+        result alone, "One reducer" in :mod:`ringcore.transport.shm_mailbox`); the slot.
 
         The mailboxes' latency path, one call where it was three (post, ``expect``,
         ``await_posts``): at N=4 on 2 cores a 4 KiB allreduce is the Python of its
@@ -752,11 +756,12 @@ class ShmTransport:
         (``bench/HISTORY.md``, "The one-shot path flattened"). In order:
 
         - the post (``Mailbox.post``), a fence, and the doorbells of peers asleep on it;
-        - the look at TCP when it is due (``expect``'s), and only while a peer has yet to post:
-          a peer that posted may already have finished the collective and failed the next, and
-          its ABORT is heard in the next one, where it belongs (the waits too, ``_tcp_news``);
-        - the posts polled for up to ``spin`` s (without a syscall for ``TIGHT_SPIN`` s,
-          then with ``sched_yield``, at least once). The peers still to post are
+        - the look at TCP when it is due (``expect``'s), and only while a word awaited is not
+          there: a peer that posted (or published) may already have finished the collective and
+          failed the next, and its ABORT is heard in the next one, where it belongs (the waits
+          too, ``_tcp_news``);
+        - the words polled for up to ``spin`` s (without a syscall for ``TIGHT_SPIN`` s,
+          then with ``sched_yield``, at least once). The peers still awaited are
           ``awaited``; ``progress`` waits for them (the caller's wait loop).
 
         The collective is recorded as the running one (``_start``: what stray frames are
@@ -771,24 +776,28 @@ class ShmTransport:
             shm_ring.ring_bell(self.bells[peer])
         clock = time.perf_counter
         now = start = clock()
-        heads = mailbox.peer_heads[slot]
-        if (self.unheard or now > self.next_liveness) and any(head[0] != seq for head in heads):
-            # Only while a peer has yet to post: one that posted is alive and in this collective,
+        if reducer < 0:
+            heads, word = mailbox.peer_heads[slot], SEQ
+        else:
+            heads, word = mailbox.lone_heads[slot][reducer], RESULT
+        if (self.unheard or now > self.next_liveness) and any(head[word] != seq for head in heads):
+            # Only while a word awaited is not there: a peer that posted is alive and in this collective,
             # and may have finished it and failed the next (its ABORT), which must not fail this one.
             self._start(wire.tag_seq(seq, 0), signature, nbytes)
             self._look_around(now)
         deadline, tight = start + self.spin, min(self.tight_spin, self.spin)
         yielded = False
         for head in heads:  # in order: a peer once seen posted is not polled again
-            while head[0] != seq:
+            while head[word] != seq:
                 now = clock()
                 if now - start < tight:
                     continue
                 if yielded and now > deadline:  # past the spin: progress waits for the rest
                     self._start(wire.tag_seq(seq, 0), signature, nbytes)
-                    self.awaited_post = (slot, seq)
+                    self.awaited_post = (slot, seq, word)
+                    peers = mailbox.peers if reducer < 0 else (reducer,)
                     self.awaited = [
-                        peer for peer, head in zip(mailbox.peers, heads, strict=True) if head[0] != seq
+                        peer for peer, head in zip(peers, heads, strict=True) if head[word] != seq
                     ]
                     self.last_moved = now
                     return slot
@@ -798,11 +807,21 @@ class ShmTransport:
         self.awaited = []
         return slot
 
+    def publish(self, slot: int, seq: int, taking: int) -> None:
+        """Publish the result of collective ``seq`` in this rank's ``slot`` (``Mailbox.publish``), a
+        fence, and the doorbells of peers asleep on it."""
+        mailbox = self.mailbox
+        assert mailbox is not None
+        mailbox.publish(slot, seq, taking)
+        shm_ring.fence()
+        for peer in mailbox.sleepers():
+            shm_ring.ring_bell(self.bells[peer])
+
     def _posts(self) -> bool:
-        """Drop the awaited peers that have posted; whether any had."""
-        slot, seq = self.awaited_post
-        posted = self.mailbox.posted  # type: ignore[union-attr]
-        left = [peer for peer in self.awaited if not posted(peer, slot, seq)]
+        """Drop the awaited peers whose awaited word is there; whether any was."""
+        slot, seq, word = self.awaited_post
+        heads = self.mailbox.heads  # type: ignore[union-attr]
+        left = [peer for peer in self.awaited if heads[peer][slot][word] != seq]
         moved = len(left) < len(self.awaited)
         self.awaited = left
         return moved
@@ -974,7 +993,7 @@ class ShmTransport:
             for peer in self.awaited:
                 if self._departed(peer):
                     raise self.control.conns[(peer, 0)].fail(
-                        "shut down (called shutdown()) before posting its input of this collective"
+                        "shut down (called shutdown()) before posting its part of this collective"
                     )
         gone = [link for link in self.links.values() if link.busy() and self._departed(link.peer)]
         if gone and self._pump():

@@ -14,7 +14,8 @@ Layout of a rank's mailbox (``segment_bytes``)::
 
     [asleep u64 | pad to 64 B]
     [word i64 | pad to 64 B]
-    [slot 0: seq u64 | signature u64 | way u64 | nbytes u64 | pad to 64 B] [payload: slot_bytes]
+    [slot 0: seq u64 | signature u64 | way u64 | nbytes u64 | result u64 | taking u64 | pad to 64 B]
+    [payload: slot_bytes]
     [slot 1: ...]
 
 The owner's ``k``-th post (k = 0, 1, ...) goes in slot ``k % 2``: payload
@@ -24,6 +25,14 @@ rings). Two slots are enough: a rank makes post ``k + 2`` only after every
 peer made post ``k + 1`` (it waited for them), and a peer makes post ``k + 1``
 only once it has read everything of post ``k``. Every rank posts in the same
 collectives (the route is chosen alike on every rank), so the ``k`` agree.
+
+One reducer. Where one rank reduces a collective for all (the one-shot
+allreduce on a host whose ranks outnumber its cores, :mod:`ringcore.plans.oneshot`,
+"One reducer"), it writes the result over its input in the slot of its post,
+then ``taking`` (how many ranks posted that they take part) and, last,
+``result`` = ``seq`` (:meth:`Mailbox.publish`); its peers wait for that word
+instead of every post. The slot rule still holds: a peer reads the result
+before its next post, and the reducer writes that slot again only two posts on.
 
 Waiting. A reader that blocks stores a fresh episode in its own ``asleep``
 word, looks once more, and sleeps on its doorbell; a poster, after storing
@@ -54,6 +63,7 @@ from ringcore.transport.shm_ring import Segment
 SLOT_BYTES = 1024 * 1024
 _LINE = 64
 _HEAD = 2 * _LINE  # the asleep word's line, the safety word's line
+SEQ, SIGNATURE, WAY, NBYTES, RESULT, TAKING = range(6)  # a slot header's words
 SEQ_BITS = 24  # a collective's number as a frame's tag holds it (ringcore.transport.wire.tag_seq)
 
 
@@ -98,6 +108,8 @@ class Mailbox:
             self.payloads[owner] = (pay[0], pay[1])
         # Per slot, the peers' headers in ``peers`` order: the waits read them with no call per peer.
         self.peer_heads = tuple([self.heads[peer][i] for peer in self.peers] for i in (0, 1))
+        # Per slot and rank, that rank's header alone: what a wait for its result reads ("One reducer").
+        self.lone_heads = tuple({owner: [self.heads[owner][i]] for owner in self.heads} for i in (0, 1))
         self._peer_asleep = [(peer, self.asleep[peer]) for peer in self.peers]
 
     def post(self, seq: int, signature: int, way: int, nbytes: int) -> int:
@@ -109,6 +121,13 @@ class Mailbox:
         head[1], head[2], head[3] = signature, way, nbytes
         head[0] = seq  # last: the post is now the peers'
         return slot
+
+    def publish(self, slot: int, seq: int, taking: int) -> None:
+        """Say that the result of collective ``seq`` is in this rank's ``slot`` (where its input was),
+        and that ``taking`` ranks took part ("One reducer"); a fence and the doorbells are the caller's."""
+        head = self.heads[self.rank][slot]
+        head[TAKING] = taking
+        head[RESULT] = seq  # last: the result is now the peers'
 
     def posted(self, peer: int, slot: int, seq: int) -> bool:
         """Whether ``peer`` has posted collective ``seq`` in ``slot``."""
@@ -170,7 +189,7 @@ class Mailbox:
     def close(self) -> None:
         """Forget the views and unmap every mailbox."""
         self.asleep, self.words, self.heads, self.payloads, self._views = {}, {}, {}, {}, {}
-        self.peer_heads, self._peer_asleep = ([], []), []
+        self.peer_heads, self.lone_heads, self._peer_asleep = ([], []), ({}, {}), []
         for segment in self.segments.values():
             segment.close()
         self.segments = {}

@@ -2,12 +2,14 @@
 and the one-shot broadcast, allgather and reduce_scatter.
 
 Every rank posts its input in its shared-memory mailbox, waits once for
-every peer's and reduces all of them. Checked here: the results against
+every peer's and reduces all of them (or, on a crowded host, one rank
+reduces for all and publishes the result). Checked here: the results against
 numpy and against the rings (``RINGCORE_DIRECT_BYTES=0``) on the same
 inputs, for kept plans and one-call buffers, every rank with the same bits;
 a (fake) GPU buffer on one rank sends every rank to the ring; a rank on
 another route (a larger buffer) is a ``MismatchError`` on every rank, not a
-timeout; the mailboxes leave nothing in ``/dev/shm``. The small route's
+timeout; one reducer takes turns and gives the bits of every rank reducing;
+the mailboxes leave nothing in ``/dev/shm``. The small route's
 failure tests (a dead, stopped or disagreeing peer) run on both routes in
 ``test_small_path.py``.
 """
@@ -68,6 +70,37 @@ def test_small_allreduces_go_one_shot_and_match_numpy_and_the_rings(size: int) -
                 first = reports[0]["result"]
                 for report in reports[1:]:  # the same inputs reduced in the same order on every rank
                     assert first.tobytes() == report["result"].tobytes()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_one_reducer_takes_turns_and_gives_every_rank_the_bits_of_every_rank_reducing(size: int) -> None:
+    """``RINGCORE_ONE_REDUCER=1``: in each one-shot allreduce exactly one rank (``seq % N``, so each in
+    turn) publishes the result, and every rank ends with the bits it has where every rank reduces
+    (``=0``, where none publishes), which match numpy."""
+    rng = np.random.default_rng(70 + size)
+    cases = []
+    for dtype, op, nbytes in CASES:
+        low, high = (1, 3) if op == "prod" else (-50, 50)
+        count = nbytes // np.dtype(dtype).itemsize
+        cases.append((op, [rng.integers(low, high, count).astype(dtype) for _ in range(size)]))
+    runs = {}
+    for one in ("1", "0"):
+        with Cluster(size, env={"RINGCORE_ONE_REDUCER": one}, timeout=120) as cluster:
+            runs[one] = [cluster.results(tasks.allreduce_reduced_by, inputs, op) for op, inputs in cases]
+    reducers = set()
+    for call, ((op, inputs), ones, everys) in enumerate(zip(cases, runs["1"], runs["0"], strict=True)):
+        published = [rank for rank, report in enumerate(ones) if report["published"]]
+        assert len(published) == 1, f"call {call}: ranks {published} published a result"
+        reducers.update(published)
+        assert not any(report["published"] for report in everys), f"call {call}: published with =0"
+        for rank, (one, every) in enumerate(zip(ones, everys, strict=True)):
+            where = f"call {call} rank {rank} {inputs[0].dtype} {op}:"
+            assert one["one_reducer"] and not every["one_reducer"], where
+            assert one["posted"] == every["posted"] == 1, f"{where} not one-shot"
+            check_allreduce(one["result"], inputs, op, where=where)
+            assert one["result"].tobytes() == every["result"].tobytes(), where
+    assert len(reducers) == min(size, len(cases)), f"the reducers did not take turns: {reducers}"
 
 
 @pytest.mark.timeout(180)

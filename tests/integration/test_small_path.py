@@ -49,12 +49,16 @@ def _value(rank: int, round_: int, count: int, dtype: str) -> np.ndarray:
     return ((np.arange(count) % 7) + rank + round_).astype(dtype)
 
 
-@pytest.fixture(autouse=True, params=["ring", "oneshot"])
+@pytest.fixture(autouse=True, params=["ring", "oneshot", "one-reducer"])
 def route(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every test twice: pinned to the rings, and on one host's default (the one-shot route)."""
+    """Every test three times: pinned to the rings, and on one host's default (the one-shot route)
+    with every rank reducing and with one reducing for all (``RINGCORE_ONE_REDUCER``)."""
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "ring":
             patch.setattr(cluster, "BASE_ENV", RING_ONLY)
+        else:
+            one = "1" if request.param == "one-reducer" else "0"
+            patch.setattr(cluster, "BASE_ENV", {**cluster.BASE_ENV, "RINGCORE_ONE_REDUCER": one})
         yield request.param
 
 

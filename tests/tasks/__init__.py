@@ -38,6 +38,7 @@ from tests.tasks.collectives import (
 )
 from tests.tasks.direct import (
     allreduce_of_rank_counts,
+    allreduce_reduced_by,
     allreduce_routed,
     allreduce_switching_buffers,
     can_copy,
@@ -101,6 +102,7 @@ __all__ = [
     "allreduce_of_rank_counts",
     "allreduce_on_mixed_paths",
     "allreduce_recording_algorithms",
+    "allreduce_reduced_by",
     "allreduce_routed",
     "allreduce_switching_buffers",
     "allreduce_symmetric",

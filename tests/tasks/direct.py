@@ -155,6 +155,19 @@ def allreduce_switching_buffers(comm: Any, count: int, switches: list[int]) -> d
     return {"results": results, "direct": (voting.calls if voting is not None else 0) - before}
 
 
+def allreduce_reduced_by(comm: Any, inputs: list[np.ndarray], op: str) -> dict[str, Any]:
+    """``allreduce_routed`` of a numpy array, and whether this rank published the result for every
+    rank (one reducer, ``ringcore.plans.oneshot``): its header's result word names the collective."""
+    from ringcore.transport.shm_mailbox import RESULT
+
+    mailbox = comm.ctx.transport.mailbox
+    slot = mailbox.slot
+    report = allreduce_routed(comm, inputs, op)
+    report["published"] = mailbox.header(comm.rank, slot)[RESULT] == comm.progress.seq
+    report["one_reducer"] = comm.ctx.transport.one_reducer
+    return report
+
+
 def mailbox_posts(comm: Any) -> int:
     """How many posts this rank made in its mailbox (the one-shot route's and the direct route's)."""
     return int(comm.ctx.transport.mailbox.posts)

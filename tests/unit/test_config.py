@@ -118,6 +118,7 @@ def test_parse_size_rejects_garbage_with_config_error(text: str) -> None:
         ("RINGCORE_SPIN_US", "fast"),
         ("RINGCORE_SPIN_US", "-1"),
         ("RINGCORE_SPIN_US", "2000000"),
+        ("RINGCORE_ONE_REDUCER", "some"),
     ],
 )
 def test_bad_values_name_the_variable(name: str, value: str) -> None:
@@ -142,6 +143,13 @@ def test_settings_are_frozen() -> None:
 )
 def test_atomic_is_off_unless_set(text: str, atomic: bool) -> None:
     assert Settings.from_env({"RINGCORE_ATOMIC": text}).atomic is atomic
+
+
+@pytest.mark.parametrize(
+    ("text", "one"), [("", None), ("auto", None), ("AUTO", None), ("0", False), ("1", True)]
+)
+def test_one_reducer_is_auto_unless_set(text: str, one: bool | None) -> None:
+    assert Settings.from_env({"RINGCORE_ONE_REDUCER": text}).one_reducer is one
 
 
 def test_spin_is_auto_unless_set() -> None:

@@ -90,6 +90,48 @@ def test_progress_waits_for_the_posts_and_a_sleeper_is_woken() -> None:
         close_all(transports)
 
 
+def test_a_wait_for_one_reducers_result_polls_its_word_alone_and_is_woken_by_the_publish(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ranks 0 and 1 wait for rank 2's result of collective 5 (one reducer): the other posts do not end
+    the wait; rank 2's post does not either; its publish (after a waiter blocked) does, and says
+    how many ranks took part. Blocks last 5 s here, so only the publish's doorbell wakes in time."""
+    from ringcore.transport import shm
+    from ringcore.transport.shm_mailbox import RESULT, TAKING
+
+    monkeypatch.setattr(shm, "BLOCK_MAX", 5.0)
+    transports = connect_all(3)
+    try:
+        waiters, reducer = transports[:2], transports[2]
+        for waiter in waiters:
+            waiter.spin = 0.0
+            assert waiter.meet_posts(5, SIG, 1, 0, reducer=2) == 0
+            assert waiter.awaited == [2]
+        post(reducer, 5, SIG)  # every input is posted now: still no result
+        for waiter in waiters:
+            assert not waiter.progress(0.01)
+            assert waiter.awaited == [2]
+
+        def publish_later() -> None:
+            time.sleep(0.05)  # the waiters are asleep on their doorbells by now
+            reducer.publish(0, 5, 3)
+
+        publisher = threading.Thread(target=publish_later)
+        publisher.start()
+        start = time.monotonic()
+        for waiter in waiters:
+            while waiter.awaited and time.monotonic() < start + 10:
+                waiter.progress(5.0)  # a publish that rang no doorbell would leave this asleep 5 s
+        publisher.join()
+        assert time.monotonic() - start < 3, "the publish did not wake a waiter"
+        for waiter in waiters:
+            assert waiter.awaited == []
+            head = waiter.mailbox.header(2, 0)  # type: ignore[union-attr]
+            assert (head[RESULT], head[TAKING]) == (5, 3)
+    finally:
+        close_all(transports)
+
+
 @pytest.mark.parametrize("part", [0, 255])
 def test_a_frame_of_the_collective_while_waiting_for_posts_is_a_mismatch(part: int) -> None:
     """Rank 1 sends a frame of collective 7 (any part) where rank 0 waits for posts: another route."""
@@ -154,7 +196,7 @@ def test_a_peer_that_shuts_down_before_posting_fails_the_wait() -> None:
         post(waiter, 4, SIG)
         assert waiter.awaited == [1]
         other.close()
-        with pytest.raises(PeerFailure, match="before posting its input") as caught:
+        with pytest.raises(PeerFailure, match="before posting its part") as caught:
             end = time.monotonic() + 10
             while waiter.awaited and time.monotonic() < end:
                 waiter.progress(0.05)
