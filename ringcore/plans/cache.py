@@ -27,7 +27,7 @@ class PlanCache:
     def __init__(self, max_bytes: int, max_layouts: int = MAX_LAYOUTS) -> None:
         self.max_bytes, self.max_layouts = max_bytes, max_layouts
         self._plans: dict[Any, AllreducePlan] = {}
-        self.newest: tuple[Any, AllreducePlan] | None = None  # the key and plan at the end of ``_plans``
+        self._newest: tuple[Any, AllreducePlan] | None = None  # the key and plan at the end of ``_plans``
         self._held_bytes = 0
 
     def get(self, key: Any) -> AllreducePlan | None:
@@ -37,7 +37,7 @@ class PlanCache:
         one layout: 0.15 us less a call), so keys must hold values whose ``==`` is exact (the
         communicator's: dtypes, tuples of ints, strings, enums, None).
         """
-        newest = self.newest  # one read: a consistent pair, whatever another thread does
+        newest = self._newest  # one read: a consistent pair, whatever another thread does
         try:
             if newest is not None and key == newest[0]:
                 return newest[1]
@@ -47,7 +47,7 @@ class PlanCache:
         if plan is not None:  # used most recently: to the end
             self._plans.pop(key, None)  # another thread may have moved it already
             self._plans[key] = plan
-            self.newest = (key, plan)
+            self._newest = (key, plan)
         return plan
 
     def put(self, key: Any, plan: AllreducePlan) -> None:
@@ -62,13 +62,13 @@ class PlanCache:
         while plans and (len(plans) >= self.max_layouts or self._held_bytes + plan.holds > self.max_bytes):
             self._held_bytes -= plans.pop(next(iter(plans))).holds
         plans[key] = plan
-        self.newest = (key, plan)
+        self._newest = (key, plan)
         self._held_bytes += plan.holds
 
     def clear(self) -> None:
         """Forget every plan (their layouts' next calls validate and prepare again)."""
         self._plans.clear()
-        self.newest = None
+        self._newest = None
         self._held_bytes = 0
 
     def stats(self) -> dict[str, Any]:
