@@ -17,6 +17,9 @@ allreduce of each, for 3 rounds, and what each layer adds:
 - ``mailbox``: the one-shot allreduce by hand on the mailboxes (write the
   input, post it, poll every peer's post with ``sched_yield``, add the N
   inputs): no checks, no timeout.
+- ``one``: the same with one reducer (:mod:`ringcore.plans.oneshot`, "One reducer"): rank
+  ``seq % N`` polls every post, adds, writes the result over its input and publishes it; the
+  others poll its result word and copy.
 - ``oneshot``: the plan's one-shot route (``OneShotRoute.run``: the post,
   the transport's wait, the signature checks, the reduce), which
   ``ringcore.allreduce`` takes on one host (:mod:`ringcore.plans.oneshot`).
@@ -24,12 +27,15 @@ allreduce of each, for 3 rounds, and what each layer adds:
   record, numpy's error state): ``Communicator._run``.
 - ``api``: ``ringcore.allreduce``: the plan cache's lookup on top.
 
-The first five are the rings' route (recursive doubling), the next two the
-mailboxes'; ``turn`` and ``api`` add their layers to the one-shot route.
+The first five are the rings' route (recursive doubling), the next three the
+mailboxes' (``oneshot`` takes one reducer where the host's ranks outnumber its
+CPUs: its hand-written row is then ``one``, elsewhere ``mailbox``); ``turn``
+and ``api`` add their layers to the one-shot route.
 
 Then the same allreduce in ``compare.py``'s pattern (``barrier; t0; op; t1``,
 the median over iterations of the slowest rank): ``hand`` (a barrier and the
-one-shot allreduce, both by hand on the mailboxes) against ``api``
+one-shot allreduce, both by hand on the mailboxes), ``hand_one`` (the same
+with one reducer) against ``api``
 (``ringcore.barrier`` and ``ringcore.allreduce``). With more ranks than cores,
 back-to-back loops hide what the pattern shows: each core runs every one of
 its ranks' Python between one barrier and the slowest rank's return, so the
@@ -57,6 +63,7 @@ from ringcore.plans.base import run_steps
 from ringcore.plans.oneshot import OneShotRoute
 from ringcore.transport import shm_ring
 from ringcore.transport.shm import ShmTransport
+from ringcore.transport.shm_mailbox import RESULT
 
 COUNT = 1024
 
@@ -139,6 +146,26 @@ def layers(x: np.ndarray, work: np.ndarray) -> dict[str, Callable[[int], None]]:
         for index in range(2, size):
             np.add(work, inputs[index], out=work)
 
+    def one_reducer(seq: int) -> None:
+        slot, reducer = mailbox.slot, seq % size
+        inputs = mailbox.inputs(slot, x.nbytes, x.dtype)
+        inputs[rank][...] = x
+        mailbox.post(seq, signature, 1, x.nbytes)
+        if rank != reducer:
+            head = mailbox.header(reducer, slot)
+            while head[RESULT] != seq:
+                os.sched_yield()
+            work[...] = inputs[reducer]
+            return
+        for peer in others:
+            while not mailbox.posted(peer, slot, seq):
+                os.sched_yield()
+        np.add(inputs[0], inputs[1], out=work)
+        for index in range(2, size):
+            np.add(work, inputs[index], out=work)
+        inputs[rank][...] = work
+        mailbox.publish(slot, seq, size)
+
     def oneshot(seq: int) -> None:
         work[...] = x
         route.run(work, seq)
@@ -158,6 +185,7 @@ def layers(x: np.ndarray, work: np.ndarray) -> dict[str, Callable[[int], None]]:
         "plan": steps,
         "small": small,
         "mailbox": posted,
+        "one": one_reducer,
         "oneshot": oneshot,
         "turn": turn,
         "api": api,
@@ -243,7 +271,7 @@ def pattern_times(x: np.ndarray, work: np.ndarray, want: np.ndarray, iters: int)
     """The hand-written barrier and one-shot allreduce, and ringcore's, in ``compare.py``'s pattern
     (results checked against ``want``)."""
     comm = communicator()
-    box = layers(x, work)["mailbox"]
+    hands = layers(x, work)
     barrier = hand_barrier()
 
     def numbered(run: Callable[[int], None]) -> Callable[[], None]:
@@ -256,7 +284,11 @@ def pattern_times(x: np.ndarray, work: np.ndarray, want: np.ndarray, iters: int)
         work[...] = x
         ringcore.allreduce(work)
 
-    rows = {"hand": (numbered(barrier), numbered(box)), "api": (ringcore.barrier, api)}
+    rows = {
+        "hand": (numbered(barrier), numbered(hands["mailbox"])),
+        "hand_one": (numbered(barrier), numbered(hands["one"])),
+        "api": (ringcore.barrier, api),
+    }
     times: dict[str, list[float]] = {}
     for _ in range(3):
         for name, (wait, op) in rows.items():

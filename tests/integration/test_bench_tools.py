@@ -135,13 +135,13 @@ def test_kernel_cost_fails_when_the_bytes_differ(monkeypatch: pytest.MonkeyPatch
 @pytest.mark.timeout(120)
 def test_latency_layers_times_every_layer_of_the_small_route() -> None:
     """Each layer's allreduce is checked against the sum inside the script (it exits non-zero otherwise),
-    and the pattern's two rows follow the layers."""
+    and the pattern's three rows follow the layers."""
     script = [sys.executable, "bench/latency_layers.py", "50"]
     proc = _run_bench([sys.executable, "-m", "ringcore.run", "-np", "2", *script])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = re.findall(r"^\[0\]<stdout>:\s+(\w+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", proc.stdout, re.M)
-    layers = ["floor", "swap", "lockstep", "plan", "small", "mailbox", "oneshot", "turn", "api"]
-    patterns = ["hand", "api"]  # then compare.py's pattern: barrier; allreduce
+    layers = ["floor", "swap", "lockstep", "plan", "small", "mailbox", "one", "oneshot", "turn", "api"]
+    patterns = ["hand", "hand_one", "api"]  # then compare.py's pattern: barrier; allreduce
     assert [name for name, *_ in rows] == layers + patterns, proc.stdout
     assert all(float(value) > 0 for _, *values in rows for value in values)
 
