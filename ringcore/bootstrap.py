@@ -43,6 +43,7 @@ from ringcore.config import Settings
 from ringcore.descriptor import rank_list
 from ringcore.errors import CollectiveTimeout, ConfigError, RingcoreError
 from ringcore.placement import describe_me, place
+from ringcore.plans import oneshot
 from ringcore.rendezvous import WorldSpec, listen_address
 from ringcore.store import REJECTED_KEY, StoreClient, StoreServer, tls_contexts
 from ringcore.transport.mesh import connect_mesh, make_listener
@@ -145,8 +146,7 @@ def bootstrap(world: WorldSpec, settings: Settings, meeting: Meeting | None = No
         transport.spin = settings.spin_seconds()
     if isinstance(transport, ShmTransport):
         transport.control.spin = settings.spin_seconds()
-        crowded = where.one_host and where.crowded  # the same on every rank where mailboxes exist
-        transport.one_reducer = crowded if settings.one_reducer is None else settings.one_reducer
+        transport.one_reducer = oneshot.one_reducer(settings.one_reducer, where)
     comm = Communicator(
         world.rank,
         world.size,

@@ -48,7 +48,8 @@ so the ranks' choices stay alike; a later call of that signature with
 ordinary host memory takes the rings too.
 
 One reducer. Where the host's ranks outnumber its CPUs (``Placement.crowded``,
-the same on every rank; ``RINGCORE_ONE_REDUCER=1`` or ``0`` decides instead),
+the same on every rank; ``RINGCORE_ONE_REDUCER=1`` or ``0`` decides instead:
+:func:`one_reducer`, the one place it is chosen),
 reducing on every rank is work the cores do ``N`` times over while the ranks
 wait on one another: at N=4 on 2 cores, twelve adds where three would do. So
 one rank, ``seq % N`` (a turn each), reduces for all: it waits for every
@@ -61,7 +62,10 @@ own (the reducer checked every peer's against its), and copies the result
 out. The bits are those of every rank reducing: the same inputs, the same
 order. A failure before the result is published leaves every other buffer
 as it was (the reducer's own may be written, and its error's note says so);
-the reducer's ``ctx.fail`` tells the others, which wait on it. With
+the reducer's ``ctx.fail`` tells the others, which wait on it. A rank waiting
+for the result counts every peer's post as progress (the reducer waits for
+them), so the timeout is the time without progress, as in every other wait,
+and a rank that times out names the ranks whose input the reducer awaits. With
 cores for every rank, each rank's own adds run in parallel and one reducer
 only adds its copy and a second hop to everyone's wait (N=2 on 2 cores, by
 hand: 4.3 us against 2.9). Measured (``bench/HISTORY.md``, "One reducer on
@@ -148,6 +152,7 @@ from ringcore.transport.shm_mailbox import SIGNATURE, TAKING
 
 if TYPE_CHECKING:
     from ringcore.context import Context
+    from ringcore.placement import Placement
     from ringcore.plans.base import RoutedPlan
     from ringcore.transport.shm import ShmTransport
     from ringcore.transport.shm_mailbox import Mailbox
@@ -206,9 +211,16 @@ class OneShotRoute:
             else:  # this rank reduces for all: the result goes where its input was, then is published
                 posted = meet(self.ctx, transport, seq, signature, way, self.nbytes)
                 taking = posted + (way == POSTED)
-                if taking == self.size:
-                    self._finish(flat, inputs, seq, inputs[rank])  # type: ignore[arg-type]
-                transport.publish(slot, seq, taking)
+                if taking < self.size:
+                    transport.publish(slot, seq, taking)
+                else:
+                    try:
+                        self._reducer()(flat, inputs)
+                        inputs[rank][...] = flat
+                        transport.publish(slot, seq, taking)
+                    except BaseException as err:  # e.g. KeyboardInterrupt: the buffer may be written
+                        note_failure(err, 0, self.plan.count, self.plan.count)
+                        raise
         except BaseException as err:
             self.ctx.fail(Descriptor("allreduce", seq, *self.plan.fields), err)
         if flat is None or posted < len(mailbox.peers):
@@ -218,19 +230,14 @@ class OneShotRoute:
         if reducer < 0:
             self._finish(flat, inputs, seq)
         elif reducer != rank:
-            flat[...] = inputs[reducer]  # its result
+            flat[...] = inputs[reducer]  # its result, in one C call: no signal lands mid-copy
         self.calls += 1
         return True
 
-    def _finish(
-        self, flat: np.ndarray, inputs: list[np.ndarray], seq: int, result: np.ndarray | None = None
-    ) -> None:
-        """Every rank's input posted: reduce them all, in rank order, into the caller's buffer (and
-        copy that into ``result``: this rank reduces for all)."""
+    def _finish(self, flat: np.ndarray, inputs: list[np.ndarray], seq: int) -> None:
+        """Every rank's input posted: reduce them all, in rank order, into the caller's buffer."""
         try:
             self._reducer()(flat, inputs)
-            if result is not None:
-                result[...] = flat
         except BaseException as err:  # e.g. KeyboardInterrupt between two adds: the buffer is partly written
             note_failure(err, 0, self.plan.count, self.plan.count)
             raise
@@ -309,9 +316,7 @@ class TwoShotRoute(OneShotRoute):
         self.calls += 1
         return True
 
-    def _finish(
-        self, flat: np.ndarray, inputs: list[np.ndarray], seq: int, result: np.ndarray | None = None
-    ) -> None:
+    def _finish(self, flat: np.ndarray, inputs: list[np.ndarray], seq: int) -> None:
         mailbox = self.transport.mailbox
         assert mailbox is not None
         share = self.share
@@ -327,6 +332,15 @@ class TwoShotRoute(OneShotRoute):
         except BaseException as err:  # e.g. KeyboardInterrupt between two shares' copies
             note_failure(err, 0, self.plan.count, self.plan.count)
             raise
+
+
+def one_reducer(setting: bool | None, where: Placement) -> bool:
+    """Whether one rank reduces each one-shot allreduce for all ("One reducer"): ``setting``
+    (``RINGCORE_ONE_REDUCER``) where given, else where the job's one host runs more ranks than
+    its CPUs. The same on every rank of a job with mailboxes (one host, agreed records)."""
+    if setting is not None:
+        return setting
+    return where.one_host and where.crowded
 
 
 def meet(

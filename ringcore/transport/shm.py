@@ -452,6 +452,7 @@ class ShmTransport:
         self.one_reducer = False
         self.awaited: list[int] = []  # local peers whose post this rank waits for ("Mailboxes")
         self.awaited_post = (0, 0, SEQ)  # (slot, seq, header word) awaited: a post, or a result
+        self.posts_seen = 0  # peers seen posted while a result is awaited: their posts are progress
         self.pointing = [True]  # whether the running collective points (expect), seen by every link
         self.cache_bytes = cache_bytes
         self.links = {
@@ -799,6 +800,7 @@ class ShmTransport:
                     self.awaited = [
                         peer for peer, head in zip(peers, heads, strict=True) if head[word] != seq
                     ]
+                    self.posts_seen = self._posts_in(slot, seq)
                     self.last_moved = now
                     return slot
                 os.sched_yield()
@@ -818,13 +820,21 @@ class ShmTransport:
             shm_ring.ring_bell(self.bells[peer])
 
     def _posts(self) -> bool:
-        """Drop the awaited peers whose awaited word is there; whether any was."""
+        """Drop the awaited peers whose awaited word is there; whether any was, or (awaiting a
+        result) whether another peer posted: the reducer's wait moved, so this one did."""
         slot, seq, word = self.awaited_post
         heads = self.mailbox.heads  # type: ignore[union-attr]
         left = [peer for peer in self.awaited if heads[peer][slot][word] != seq]
         moved = len(left) < len(self.awaited)
         self.awaited = left
+        if left and word != SEQ:
+            seen = self._posts_in(slot, seq)
+            moved, self.posts_seen = moved or seen > self.posts_seen, seen
         return moved
+
+    def _posts_in(self, slot: int, seq: int) -> int:
+        """How many peers have posted collective ``seq`` in ``slot``."""
+        return sum(head[SEQ] == seq for head in self.mailbox.peer_heads[slot])  # type: ignore[union-attr]
 
     # -- moving and waiting --------------------------------------------------------------------
 

@@ -16,15 +16,17 @@ failure tests (a dead, stopped or disagreeing peer) run on both routes in
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
 import pytest
 
 from tests import tasks
-from tests.cluster import Cluster
+from tests.cluster import Cluster, free_port
 from tests.conftest import RING_ONLY
 from tests.gpu import tasks as gpu_tasks
+from tests.integration.test_halving_doubling import start_rank
 from tests.reference import check_allreduce
 
 KIB = 1024
@@ -103,12 +105,23 @@ def test_one_reducer_takes_turns_and_gives_every_rank_the_bits_of_every_rank_red
     assert len(reducers) == min(size, len(cases)), f"the reducers did not take turns: {reducers}"
 
 
+def test_ranks_that_differ_on_one_reducer_fail_at_init_naming_it() -> None:
+    port = free_port()
+    ranks = [start_rank(rank, 3, port, {"RINGCORE_ONE_REDUCER": "1"} if rank else {}) for rank in range(3)]
+    for proc in ranks:
+        report = json.loads(proc.communicate(timeout=60)[0].strip().splitlines()[-1])
+        assert report["error"] == "ConfigError", report
+        assert "ranks disagree on RINGCORE_ONE_REDUCER" in report["message"], report
+
+
 @pytest.mark.timeout(180)
-def test_a_gpu_buffer_among_host_ones_sends_every_rank_to_the_ring() -> None:
-    """Rank 1's (fake) GPU buffer posts that it does not take part: all three ranks run the ring."""
+@pytest.mark.parametrize("one", ["0", "1"], ids=["every-rank", "one-reducer"])
+def test_a_gpu_buffer_among_host_ones_sends_every_rank_to_the_ring(one: str) -> None:
+    """Rank 1's (fake) GPU buffer posts that it does not take part: all three ranks run the ring,
+    every rank reducing or one for all (which then publishes that only two take part)."""
     rng = np.random.default_rng(12)
     inputs = list((rng.standard_normal((3, 3000)) * 3).astype(np.float32))  # 12 KB: small
-    with Cluster(3, timeout=60) as cluster:
+    with Cluster(3, env={"RINGCORE_ONE_REDUCER": one}, timeout=60) as cluster:
         cluster.results(gpu_tasks.use_fake, 2)
         before = cluster.results(tasks.mailbox_posts)
         results = cluster.results(gpu_tasks.mixed_ring, inputs, "sum", None)
@@ -124,9 +137,10 @@ def test_a_gpu_buffer_among_host_ones_sends_every_rank_to_the_ring() -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("one", ["0", "1"], ids=["every-rank", "one-reducer"])
 @pytest.mark.parametrize("gpu_ranks", [[0, 1, 2], [1]], ids=["all-gpu", "mixed"])
 def test_a_job_of_gpu_buffers_posts_once_per_signature_then_goes_straight_to_the_ring(
-    gpu_ranks: list[int],
+    gpu_ranks: list[int], one: str
 ) -> None:
     """Every rank's buffer on a (fake) GPU: the first small allreduce, broadcast and large allreduce
     (the direct route's vote) of a layout post that the rank does not take part, and later ones go
@@ -138,7 +152,7 @@ def test_a_job_of_gpu_buffers_posts_once_per_signature_then_goes_straight_to_the
         "large": list(rng.integers(-50, 50, (3, 300_000)).astype(np.float32)),  # 1.2 MB: the vote
     }
     rounds = 3
-    with Cluster(3, timeout=120) as cluster:
+    with Cluster(3, env={"RINGCORE_ONE_REDUCER": one}, timeout=120) as cluster:
         cluster.results(gpu_tasks.use_fake, 4)
         reports = cluster.results(gpu_tasks.repeated_posts, inputs, rounds, gpu_ranks)
     every_call = [1, 1, 1] * rounds

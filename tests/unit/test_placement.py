@@ -83,3 +83,20 @@ def test_cross_rank_counts_the_ranks_that_share_a_local_rank() -> None:
     ]
     one_host = [record("a", [0]), record("a", [1])]
     assert [(place(r, one_host).cross_rank, place(r, one_host).cross_size) for r in range(2)] == [(0, 1)] * 2
+
+
+def test_one_reducer_where_one_host_runs_more_ranks_than_cpus_unless_set() -> None:
+    """The one-shot allreduce's choice (``ringcore.plans.oneshot.one_reducer``): auto follows the
+    records every rank sees alike; ``RINGCORE_ONE_REDUCER`` wins either way."""
+    from ringcore.plans.oneshot import one_reducer
+
+    crowded = [record("a", [0, 1]) for _ in range(3)]
+    a_core_each = [record("a", [0]), record("a", [1])]
+    two_hosts = [record("a", [0]), record("a", [0]), record("b", [0]), record("b", [0])]
+    for rank in range(3):
+        assert one_reducer(None, place(rank, crowded))
+    for rank in range(2):
+        assert not one_reducer(None, place(rank, a_core_each))
+    assert not one_reducer(None, place(0, two_hosts))  # crowded, but no mailboxes across hosts
+    assert not one_reducer(False, place(0, crowded))
+    assert one_reducer(True, place(0, a_core_each))

@@ -109,7 +109,7 @@ def test_a_wait_for_one_reducers_result_polls_its_word_alone_and_is_woken_by_the
             assert waiter.awaited == [2]
         post(reducer, 5, SIG)  # every input is posted now: still no result
         for waiter in waiters:
-            assert not waiter.progress(0.01)
+            waiter.progress(0.01)
             assert waiter.awaited == [2]
 
         def publish_later() -> None:
@@ -128,6 +128,27 @@ def test_a_wait_for_one_reducers_result_polls_its_word_alone_and_is_woken_by_the
             assert waiter.awaited == []
             head = waiter.mailbox.header(2, 0)  # type: ignore[union-attr]
             assert (head[RESULT], head[TAKING]) == (5, 3)
+    finally:
+        close_all(transports)
+
+
+def test_a_peers_post_is_progress_for_a_rank_awaiting_the_result() -> None:
+    """Rank 0 awaits rank 2's result; rank 1's post is what rank 2 waits for, so it counts as progress
+    (the timeout measures time without any), and nothing after it does not."""
+    transports = connect_all(3)
+    try:
+        waiter = transports[0]
+        waiter.spin = 0.0
+        waiter.meet_posts(8, SIG, 1, 0, reducer=2)
+        assert waiter.awaited == [2]
+        assert not waiter.progress(0.01)
+        post(transports[1], 8, SIG)
+        assert waiter.progress(0.01)
+        assert waiter.awaited == [2]
+        assert not waiter.progress(0.01)
+        post(transports[2], 8, SIG)  # the reducer's own post: progress too
+        assert waiter.progress(0.01)
+        assert not waiter.progress(0.01)
     finally:
         close_all(transports)
 
