@@ -70,7 +70,7 @@ cores for every rank, each rank's own adds run in parallel and one reducer
 only adds its copy and a second hop to everyone's wait (N=2 on 2 cores, by
 hand: 4.3 us against 2.9). Measured (``bench/HISTORY.md``, "One reducer on
 crowded hosts"): by hand at N=3 and 4 on 2 cores, 0.83-0.88x the time of
-every rank reducing; ``compare.py`` at 4-64 KiB, 1.07-1.41x the busbw.
+every rank reducing; ``compare.py`` at 4-64 KiB, 1.06-1.41x the busbw.
 
 Measured (``bench/HISTORY.md``, "Small allreduces in one shot"): the
 hand-written floors, 4 KiB back to back, are 4.5 us at N=2 and 24.8 at N=4
