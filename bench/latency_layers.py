@@ -134,24 +134,13 @@ def layers(x: np.ndarray, work: np.ndarray) -> dict[str, Callable[[int], None]]:
     mailbox = transport.mailbox
     others = [peer for peer in range(size) if peer != rank]
 
-    def posted(seq: int) -> None:
+    def posted(seq: int, reducer: int = -1) -> None:
+        """By hand: every rank reduces, or (``reducer`` >= 0) that rank reduces and publishes for all."""
         slot = mailbox.slot
         inputs = mailbox.inputs(slot, x.nbytes, x.dtype)
         inputs[rank][...] = x
         mailbox.post(seq, signature, 1, x.nbytes)
-        for peer in others:
-            while not mailbox.posted(peer, slot, seq):
-                os.sched_yield()
-        np.add(inputs[0], inputs[1], out=work)
-        for index in range(2, size):
-            np.add(work, inputs[index], out=work)
-
-    def one_reducer(seq: int) -> None:
-        slot, reducer = mailbox.slot, seq % size
-        inputs = mailbox.inputs(slot, x.nbytes, x.dtype)
-        inputs[rank][...] = x
-        mailbox.post(seq, signature, 1, x.nbytes)
-        if rank != reducer:
+        if reducer >= 0 and rank != reducer:
             head = mailbox.header(reducer, slot)
             while head[RESULT] != seq:
                 os.sched_yield()
@@ -163,8 +152,12 @@ def layers(x: np.ndarray, work: np.ndarray) -> dict[str, Callable[[int], None]]:
         np.add(inputs[0], inputs[1], out=work)
         for index in range(2, size):
             np.add(work, inputs[index], out=work)
-        inputs[rank][...] = work
-        mailbox.publish(slot, seq, size)
+        if reducer >= 0:
+            inputs[rank][...] = work
+            mailbox.publish(slot, seq, size)
+
+    def one_reducer(seq: int) -> None:
+        posted(seq, seq % size)
 
     def oneshot(seq: int) -> None:
         work[...] = x
