@@ -57,8 +57,8 @@ post and checks every signature, as above, reduces the inputs in rank order
 into the caller's buffer, copies the result over its input in its slot and
 publishes it (``ShmTransport.publish``: how many ranks take part, then
 ``seq`` in its header's result word, the doorbells). Every other rank posts
-and waits for that word alone, checks the reducer's signature against its
-own (the reducer checked every peer's against its), and copies the result
+and waits for that word alone (the reducer published only once every
+signature matched its own, this rank's included), and copies the result
 out. The bits are those of every rank reducing: the same inputs, the same
 order. A failure before the result is published leaves every other buffer
 as it was (the reducer's own may be written, and its error's note says so);
@@ -148,7 +148,7 @@ from ringcore.descriptor import Descriptor
 from ringcore.plans.base import host_array, plan_reducer
 from ringcore.slicing import note_failure
 from ringcore.transport.base import FrameMismatch
-from ringcore.transport.shm_mailbox import SIGNATURE, TAKING
+from ringcore.transport.shm_mailbox import TAKING
 
 if TYPE_CHECKING:
     from ringcore.context import Context
@@ -383,11 +383,8 @@ def meet(
         )
         while transport.awaited:
             watch.progress(0.5)
-    if reducer >= 0:
-        head = mailbox.heads[reducer][slot]
-        if head[SIGNATURE] != signature:
-            raise FrameMismatch(reducer, "signature", signature, head[SIGNATURE])
-        return head[TAKING] - (way == POSTED)  # type: ignore[no-any-return]
+    if reducer >= 0:  # published only once every signature matched the reducer's, so this rank's too
+        return mailbox.heads[reducer][slot][TAKING] - (way == POSTED)  # type: ignore[no-any-return]
     taking = 0  # a loop, not sum(generator): a 4 KiB allreduce counts every call
     for head in mailbox.peer_heads[slot]:
         if head[1] != signature:
