@@ -269,6 +269,7 @@ def assignments(text: str) -> dict[str, str]:
         ConfigError: a part is not ``NAME=VALUE``, names no setting, or holds a value it refuses.
     """
     known = {field.name.upper() for field in dataclasses.fields(Settings)}
+    known |= {name.removeprefix("RINGCORE_") for name in OTHER_VARIABLES}
     env = {}
     for part in text.split("+"):
         name, sep, value = part.partition("=")
@@ -367,8 +368,8 @@ TRANSPORTS = ("tcp", "shm", "ibverbs", "auto")
 KERNEL_COPIES = ("auto", "fast", "slow")
 LOG_LEVELS = ("warning", "debug", "info", "error", "critical", "warn", "fatal", "notset")  # logging's names
 # RINGCORE_* variables read outside Settings (README, "Environment variables"): ringcore-run's
-# binding and ringcore.kernels.casts' switch; RINGCORE_TEST_* belong to the test suite.
-OTHER_VARIABLES = frozenset({"RINGCORE_BIND_TO", "RINGCORE_TORCH_CASTS"})
+# binding and address layout, and ringcore.kernels.casts' switch; RINGCORE_TEST_* belong to the test suite.
+OTHER_VARIABLES = frozenset({"RINGCORE_BIND_TO", "RINGCORE_ASLR", "RINGCORE_TORCH_CASTS"})
 
 
 def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, TextIO
 
 from ringcore import remote
+from ringcore.rank_agent import ADDR_NO_RANDOMIZE, personality
 from ringcore.remote import RemoteError, RemoteRank, SshOptions
 
 PROG = "ringcore-run"
@@ -133,18 +134,25 @@ class Job:
         self._threads: list[threading.Thread] = []
 
     def start_local(
-        self, argv: Sequence[str], env: Mapping[str, str], cpus: set[int] | None, host: str | None = None
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cpus: set[int] | None,
+        host: str | None = None,
+        fixed_layout: bool = False,
     ) -> int:
         """Start ``argv`` here, bound to ``cpus`` (``None``: unbound); return its number.
 
         Args:
             host: The host's name as the user gave it, for messages (``None``: none given).
+            fixed_layout: Start it without address-space randomization
+                (:func:`ringcore.rank_agent.fixed_layout`).
 
         Raises:
             LaunchError: The command was not found or is not executable.
         """
         number = len(self.procs)
-        with _bound_to(cpus):
+        with _bound_to(cpus), _laid_out(fixed_layout):
             proc = _spawn(argv, env)
         self.procs.append(proc)
         if host is not None:
@@ -296,6 +304,21 @@ def _bound_to(cpus: set[int] | None) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, before)
+
+
+@contextlib.contextmanager
+def _laid_out(fixed: bool) -> Iterator[None]:
+    """Run the block without address-space randomization where ``fixed``: a child started meanwhile
+    inherits the persona (the calling thread's alone, restored after)."""
+    before = None
+    if fixed:
+        with contextlib.suppress(OSError):  # an optimisation: rather randomized than not started
+            before = personality(personality() | ADDR_NO_RANDOMIZE)
+    try:
+        yield
+    finally:
+        if before is not None:
+            personality(before)
 
 
 def _spawn(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:

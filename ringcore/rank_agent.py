@@ -11,8 +11,8 @@ and the session's stdin carries two lines, then stays open:
 1. this source, as a JSON string;
 2. the job, as a JSON object: ``argv``, ``env`` (the rank's ``RINGCORE_*``
    identity, the job's secret, torch's variables and what ``-x`` forwards),
-   ``cwd``, ``grace``, ``bind`` (``[local_rank, local_size]`` or null) and
-   ``marker``; or ``{"ifaddr": NAME}``, which prints that interface's IPv4
+   ``cwd``, ``grace``, ``bind`` (``[local_rank, local_size]`` or null), ``aslr``
+   (``[choice, local_size]``, :func:`fixed_layout`) and ``marker``; or ``{"ifaddr": NAME}``, which prints that interface's IPv4
    address and exits.
 
 So neither the secret nor any forwarded value is on a command line (``ps``
@@ -22,7 +22,8 @@ rank's stdin is ``/dev/null``.
 The agent starts the program in its own session (one process group), with
 the remote login's environment plus ``env``, in ``cwd`` when that exists
 there, bound to its share of this host's CPUs (:func:`rank_cores`, as
-``ringcore-run`` binds local ranks). Then it waits for the first of:
+``ringcore-run`` binds local ranks), and without address-space randomization
+where :func:`fixed_layout` says so. Then it waits for the first of:
 
 - the program exits: whatever it left in its process group gets SIGTERM,
   then SIGKILL after ``grace`` s;
@@ -41,6 +42,7 @@ In the last two cases the program's group gets SIGTERM, then SIGKILL after
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import select
@@ -55,6 +57,9 @@ BOOTSTRAP = "import json,sys;exec(json.loads(sys.stdin.readline()))"
 POLL_SECONDS = 0.1
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _stop_signal: list[int] = []
+ASLR_CHOICES = ("auto", "on", "off")
+ADDR_NO_RANDOMIZE = 0x0040000  # personality(2): programs exec'd from now on get the same layout every time
+QUERY = 0xFFFFFFFF  # personality(2): change nothing, say the current persona
 
 
 def rank_cores(size: int) -> list[set[int]]:
@@ -64,6 +69,25 @@ def rank_cores(size: int) -> list[set[int]]:
         return [{usable[rank % len(usable)]} for rank in range(size)]
     share = len(usable) // size
     return [set(usable[rank * share : (rank + 1) * share]) for rank in range(size)]
+
+
+def fixed_layout(aslr: str, size: int) -> bool:
+    """Whether this host's ``size`` ranks start without address-space randomization (``--aslr``,
+    :mod:`ringcore.run`): ``off``; ``auto`` where they outnumber the usable CPUs; never ``on``."""
+    return aslr == "off" or (aslr == "auto" and size > len(os.sched_getaffinity(0)))
+
+
+def personality(persona: int = QUERY) -> int:
+    """Set the calling thread's Linux persona (what the programs it starts inherit); the one before.
+
+    Raises:
+        OSError: The kernel refused.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    before = int(libc.personality(ctypes.c_ulong(persona)))
+    if before < 0:
+        raise OSError(ctypes.get_errno(), "personality(2) failed")
+    return before
 
 
 def interface_address(ifname: str) -> str | None:
@@ -106,6 +130,10 @@ def main() -> int:
 def run(job: dict) -> int:
     """Start ``job["argv"]`` and watch it until it ends or must stop; return its ``Popen.returncode``."""
     argv = job["argv"]
+    aslr, local_size = job.get("aslr") or ("on", 1)
+    if fixed_layout(aslr, local_size):  # before binding narrows the CPUs it counts
+        with contextlib.suppress(OSError):  # an optimisation, like binding; the agent starts nothing else
+            personality(personality() | ADDR_NO_RANDOMIZE)
     if job.get("bind"):
         local_rank, local_size = job["bind"]
         with contextlib.suppress(OSError):  # binding is an optimisation: rather unbound than not at all

@@ -261,6 +261,27 @@ def test_agent_reports_the_exit_and_stops_what_the_rank_left(tmp_path: Path) -> 
     assert b"command not found on" in err and err.endswith(b"\0mark:exit 127\n")
 
 
+@pytest.mark.timeout(60)
+def test_agent_starts_crowded_ranks_without_address_randomization(tmp_path: Path) -> None:
+    """The agent decides ``--aslr`` on its own host, from the CPUs it had before binding."""
+    code = "import sys; sys.stderr.write(open('/proc/self/personality').read().strip())"
+    persona = int(Path("/proc/self/personality").read_text(), 16)
+    usable = len(os.sched_getaffinity(0))
+    for aslr, local_size, fixed in [
+        ("off", 1, True),
+        ("auto", usable + 1, True),
+        ("auto", 1, False),
+        ("on", 9, False),
+    ]:
+        job = {**agent_job(tmp_path, [sys.executable, "-c", code]), "aslr": [aslr, local_size]}
+        err = finish(agent(job))
+        found = re.search(rb"ready\n([0-9a-f]+)\0mark:exit 0\n$", err)
+        assert found, err
+        got = int(found.group(1), 16)
+        want = persona | rank_agent.ADDR_NO_RANDOMIZE if fixed else persona
+        assert got == want, (aslr, local_size, err)
+
+
 # --------------------------------------------------------------------------- the emulated cluster
 
 

@@ -189,6 +189,41 @@ def test_no_binding_when_told_by_flag_or_environment(monkeypatch: pytest.MonkeyP
     assert "RINGCORE_BIND_TO must be core or none, got 'sockets'" in refused.stderr
 
 
+LAYOUT = (
+    "import ctypes; libc = ctypes.CDLL(None); "
+    "print(ctypes.cast(libc.getpid, ctypes.c_void_p).value, open('/proc/self/personality').read().strip())"
+)
+
+
+def layouts(proc: subprocess.CompletedProcess[str]) -> dict[int, tuple[int, int]]:
+    """Rank -> (where libc's ``getpid`` lies, the persona's ``ADDR_NO_RANDOMIZE`` bit) (LAYOUT's output)."""
+    assert proc.returncode == 0, proc.stderr
+    found = re.findall(r"^\[(\d+)\]<stdout>: (\d+) ([0-9a-f]+)$", proc.stdout, re.MULTILINE)
+    return {int(rank): (int(where), int(persona, 16) & 0x0040000) for rank, where, persona in found}
+
+
+def test_crowded_ranks_share_one_address_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--aslr auto``: ranks that outnumber the CPUs start with randomization off, so libc lies at
+    one address in every rank; with a CPU each (or ``--aslr on``) each rank is laid out at random."""
+    if Path("/proc/sys/kernel/randomize_va_space").read_text().strip() == "0":
+        pytest.skip("this host randomizes no address space: nothing to tell apart")
+    if int(Path("/proc/self/personality").read_text(), 16) & 0x0040000:
+        pytest.skip("the tests run without address randomization (setarch -R)")
+    usable = len(os.sched_getaffinity(0))
+    crowded = layouts(launch("-np", usable + 1, sys.executable, "-c", LAYOUT))
+    assert len(crowded) == usable + 1 and {where for where, _ in crowded.values()} == {crowded[0][0]}
+    assert all(fixed for _, fixed in crowded.values())
+    for args in (["-np", min(2, usable)], ["-np", usable + 1, "--aslr", "on"]):
+        spread = layouts(launch(*args, sys.executable, "-c", LAYOUT))
+        assert not any(fixed for _, fixed in spread.values()), args
+        assert len({where for where, _ in spread.values()}) == len(spread), (args, spread)
+    monkeypatch.setenv("RINGCORE_ASLR", "off")
+    assert all(fixed for _, fixed in layouts(launch("-np", 2, sys.executable, "-c", LAYOUT)).values())
+    monkeypatch.setenv("RINGCORE_ASLR", "no")
+    refused = launch("-np", 1, sys.executable, "-c", LAYOUT)
+    assert refused.returncode == 2 and "RINGCORE_ASLR must be auto, on or off, got 'no'" in refused.stderr
+
+
 def test_a_python_without_ringcore_gets_a_hint_after_the_failure() -> None:
     """A rank whose ``python`` is not the environment's fails importing ringcore: the launcher names
     the failing rank, then says which Python it runs itself (the usual cause: a venv not activated)."""

@@ -210,6 +210,10 @@ def test_assignments_name_known_settings_with_values_init_accepts() -> None:
         "RINGCORE_SHM_CACHE_BYTES": "0",
         "RINGCORE_SPIN_US": "auto",
     }
+    assert assignments("ASLR=on+BIND_TO=none") == {
+        "RINGCORE_ASLR": "on",
+        "RINGCORE_BIND_TO": "none",
+    }  # ringcore-run's
     with pytest.raises(ConfigError, match="not NAME=VALUE"):
         assignments("16M")
     with pytest.raises(ConfigError, match="no setting RINGCORE_SHM_CACHE_BYTE"):
@@ -231,6 +235,7 @@ def test_unknown_variables_are_named_with_the_setting_they_resemble() -> None:
         "RINGCORE_FOO": "1",
         "RINGCORE_TRANSPORT": "tcp",  # known: a Settings field
         "RINGCORE_BIND_TO": "none",  # known: ringcore-run's
+        "RINGCORE_ASLR": "on",  # known: ringcore-run's
         "RINGCORE_TORCH_CASTS": "0",  # known: ringcore.kernels.casts'
         "RINGCORE_TEST_EXAMPLES": "4",  # the test suite's own
         "PATH": "/bin",
