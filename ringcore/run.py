@@ -44,13 +44,13 @@ default, ranks that outnumber the CPUs start without address-space
 randomization (``personality(ADDR_NO_RANDOMIZE)``, as ``setarch -R``), so
 every rank has the interpreter's code at the same addresses. Ranks that take
 turns on one core then keep each other's branch predictions warm instead of
-evicting them: at N=4 on 2 CPUs a 4 KiB allreduce takes 17-22 us against
-29-52 us with each rank laid out at random, 1 MiB about a tenth less
-(``bench/HISTORY.md``, "One address layout"). With a core per rank nothing is
+evicting them: at N=4 on 2 CPUs a 4 KiB allreduce takes 19 us against 33
+with each rank laid out at random, 1 MiB 0.88x the time (``bench/HISTORY.md``,
+"One address layout for crowded ranks"). With a core per rank nothing is
 shared and ``auto`` leaves randomization on. ``off`` starts every job this
-way, ``on`` never. The price is the exploit mitigation: where a rank's layout
-is known, so is every rank's of that host and job, and of its next run; a
-host that must keep randomization for every process says ``--aslr on``.
+way, ``on`` never. The price is that exploit mitigation: such ranks have the same
+layout in every rank and every run; a host that must keep randomization for
+every process says ``--aslr on``.
 Under other launchers, ``setarch -R torchrun ...`` does the same.
 
 Each rank runs in its own session, so it and everything it starts form one
