@@ -211,8 +211,16 @@ def test_ab_floor_checks_both_engines_and_prints_the_ratio_per_block() -> None:
     assert all(float(r) > 0 for _, *values in ratios for r in values)
 
 
+def test_layout_turns_times_pairs_in_random_and_one_layout_and_one_alone() -> None:
+    proc = _run_bench([sys.executable, "bench/layout_turns.py", "1"], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = re.fullmatch(r" *([\d.]+) ([\d.]+) \| +([\d.]+) ([\d.]+) \| ([\d.]+)", proc.stdout.splitlines()[-1])
+    assert row and all(float(value) > 0 for value in row.groups()), proc.stdout
+
+
 @pytest.mark.parametrize(
-    "script", ["memory", "memcpy", "barrier_time", "latency_layers", "segment_cost", "compare"]
+    "script",
+    ["memory", "memcpy", "barrier_time", "latency_layers", "segment_cost", "compare", "layout_turns"],
 )
 def test_bench_scripts_answer_help_with_how_to_run_them(script: str) -> None:
     done = _run_bench([sys.executable, f"bench/{script}.py", "--help"], timeout=60)
