@@ -106,7 +106,7 @@ def variant_env(engine: str) -> dict[str, str]:
     """
     if not engine.startswith("ringcore:"):
         return {}
-    return assignments(engine.split(":", 1)[1])
+    return assignments(engine.split(":", 1)[1], launcher=True)
 
 
 def missing(engine: str) -> str:

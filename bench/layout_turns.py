@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from ringcore.rank_agent import ADDR_NO_RANDOMIZE, personality
+from ringcore.rank_agent import personality, set_layout
 
 ROUNDS, WORK = 20000, 20
 
@@ -38,7 +38,8 @@ def child(cpu: int) -> None:
         return total
 
     work()
-    sys.stdin.readline()  # the parent's go, once every copy is up
+    print("ready", flush=True)
+    sys.stdin.readline()  # the parent's go, once every copy is ready
     start = time.perf_counter()
     for _ in range(ROUNDS):
         work()
@@ -49,7 +50,7 @@ def child(cpu: int) -> None:
 def launch(copies: int, cpu: int, one_layout: bool) -> list[str]:
     """Start ``copies`` children at once; their microseconds per round."""
     argv = [sys.executable, __file__, "--child", "--cpu", str(cpu)]
-    before = personality(personality() | ADDR_NO_RANDOMIZE) if one_layout else None
+    before = set_layout(one_layout)  # without randomization, or with it even under setarch -R
     try:
         procs = [
             subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -58,7 +59,9 @@ def launch(copies: int, cpu: int, one_layout: bool) -> list[str]:
     finally:
         if before is not None:
             personality(before)
-    time.sleep(0.5)  # every copy imported and waiting
+    for proc in procs:  # every copy up and waiting
+        assert proc.stdout is not None
+        proc.stdout.readline()
     for proc in procs:
         assert proc.stdin is not None
         proc.stdin.write("go\n")
@@ -71,7 +74,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("launches", nargs="?", type=int, default=4, help="launches of each kind (default 4)")
-    parser.add_argument("--cpu", type=int, default=0, help="the CPU both processes share (default 0)")
+    first = min(os.sched_getaffinity(0))
+    parser.add_argument("--cpu", type=int, default=first, help=f"the CPU they share (default {first})")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

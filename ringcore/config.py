@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 
 from ringcore.errors import ConfigError
+from ringcore.rank_agent import ASLR_CHOICES
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -258,26 +259,29 @@ class Settings:
         return f"Settings({fields})"
 
 
-def assignments(text: str) -> dict[str, str]:
+def assignments(text: str, launcher: bool = False) -> dict[str, str]:
     """The ``RINGCORE_*`` variables ``NAME=VALUE+NAME=VALUE`` sets (names without the prefix), checked.
 
     For the tools that compare settings side by side (``bench/compare.py``'s
     ``ringcore:...`` engines, ``bench/ab_settings.py``): a misspelt name would
-    otherwise measure the defaults under another label.
+    otherwise measure the defaults under another label. ``launcher``: ``ringcore-run``'s
+    ``BIND_TO`` and ``ASLR`` too, for a tool that starts each variant through it.
 
     Raises:
         ConfigError: a part is not ``NAME=VALUE``, names no setting, or holds a value it refuses.
     """
     known = {field.name.upper() for field in dataclasses.fields(Settings)}
-    known |= {name.removeprefix("RINGCORE_") for name in OTHER_VARIABLES}
+    choices = LAUNCHER_CHOICES if launcher else {}
     env = {}
     for part in text.split("+"):
         name, sep, value = part.partition("=")
         name = name.strip().upper()
         if not sep or not name:
             raise ConfigError(f"{part!r} in {text!r} is not NAME=VALUE (e.g. SPIN_US=0)")
-        if name not in known:
+        if name not in known and name not in choices:
             raise ConfigError(f"{part!r} in {text!r}: there is no setting RINGCORE_{name}")
+        if name in choices and value not in choices[name]:
+            raise ConfigError(f"RINGCORE_{name}={value!r} is not one of {', '.join(choices[name])}")
         env[f"RINGCORE_{name}"] = value
     Settings.from_env(env)  # each value as init would read it
     return env
@@ -370,6 +374,7 @@ LOG_LEVELS = ("warning", "debug", "info", "error", "critical", "warn", "fatal", 
 # RINGCORE_* variables read outside Settings (README, "Environment variables"): ringcore-run's
 # binding and address layout, and ringcore.kernels.casts' switch; RINGCORE_TEST_* belong to the test suite.
 OTHER_VARIABLES = frozenset({"RINGCORE_BIND_TO", "RINGCORE_ASLR", "RINGCORE_TORCH_CASTS"})
+LAUNCHER_CHOICES = {"BIND_TO": ("core", "none"), "ASLR": ASLR_CHOICES}  # ringcore-run's, for assignments()
 
 
 def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, TextIO
 
 from ringcore import remote
-from ringcore.rank_agent import ADDR_NO_RANDOMIZE, personality
+from ringcore.rank_agent import personality, set_layout
 from ringcore.remote import RemoteError, RemoteRank, SshOptions
 
 PROG = "ringcore-run"
@@ -132,6 +132,7 @@ class Job:
         self._marker = f"\0ringcore-rank-{secrets.token_hex(4)}:"  # the agents' reports (ringcore.rank_agent)
         self._events: queue.Queue[tuple[int, int]] = queue.Queue()
         self._threads: list[threading.Thread] = []
+        self._layout_said = False
 
     def start_local(
         self,
@@ -139,20 +140,20 @@ class Job:
         env: Mapping[str, str],
         cpus: set[int] | None,
         host: str | None = None,
-        fixed_layout: bool = False,
+        fixed_layout: bool | None = None,
     ) -> int:
         """Start ``argv`` here, bound to ``cpus`` (``None``: unbound); return its number.
 
         Args:
             host: The host's name as the user gave it, for messages (``None``: none given).
-            fixed_layout: Start it without address-space randomization
-                (:func:`ringcore.rank_agent.fixed_layout`).
+            fixed_layout: Start it without (True) or with (False) address-space randomization, or
+                as this process runs (None): :func:`ringcore.rank_agent.fixed_layout`.
 
         Raises:
             LaunchError: The command was not found or is not executable.
         """
         number = len(self.procs)
-        with _bound_to(cpus), _laid_out(fixed_layout):
+        with _bound_to(cpus), _laid_out(fixed_layout, self._layout_refused):
             proc = _spawn(argv, env)
         self.procs.append(proc)
         if host is not None:
@@ -161,6 +162,14 @@ class Job:
         self._thread(_pump, proc.stderr, self.sink, number, "stderr")
         self._thread(self._wait, number, proc)
         return number
+
+    def _layout_refused(self, err: OSError) -> None:
+        """Say once that the kernel kept this job's ranks in the layout the launcher runs in."""
+        if not self._layout_said:
+            self._layout_said = True
+            self.sink.message(
+                f"--aslr: cannot set the ranks' address layout here ({err}); they run as {PROG} does"
+            )
 
     def start_remote(self, host: str, ssh: SshOptions, job: dict[str, Any]) -> int:
         """Start a process on ``host`` over ssh (``job``: :mod:`ringcore.rank_agent`'s, less the marker).
@@ -307,18 +316,21 @@ def _bound_to(cpus: set[int] | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _laid_out(fixed: bool) -> Iterator[None]:
-    """Run the block without address-space randomization where ``fixed``: a child started meanwhile
-    inherits the persona (the calling thread's alone, restored after)."""
+def _laid_out(fixed: bool | None, refused: Callable[[OSError], None]) -> Iterator[None]:
+    """Run the block with the address layout ``fixed`` asks (:func:`ringcore.rank_agent.set_layout`):
+    a child started meanwhile inherits it; the calling thread's persona is restored after.
+    Where the kernel refuses, ``refused(err)`` and the block runs as it is."""
     before = None
-    if fixed:
-        with contextlib.suppress(OSError):  # an optimisation: rather randomized than not started
-            before = personality(personality() | ADDR_NO_RANDOMIZE)
+    try:
+        before = set_layout(fixed)
+    except OSError as err:
+        refused(err)
     try:
         yield
     finally:
         if before is not None:
-            personality(before)
+            with contextlib.suppress(OSError):  # the child started: never lose it over this
+                personality(before)
 
 
 def _spawn(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:

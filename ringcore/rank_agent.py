@@ -12,8 +12,8 @@ and the session's stdin carries two lines, then stays open:
 2. the job, as a JSON object: ``argv``, ``env`` (the rank's ``RINGCORE_*``
    identity, the job's secret, torch's variables and what ``-x`` forwards),
    ``cwd``, ``grace``, ``bind`` (``[local_rank, local_size]`` or null), ``aslr``
-   (``[choice, local_size]``, :func:`fixed_layout`) and ``marker``; or ``{"ifaddr": NAME}``, which prints that interface's IPv4
-   address and exits.
+   (``[choice, local_size]``, :func:`fixed_layout`) and ``marker``; or
+   ``{"ifaddr": NAME}``, which prints that interface's IPv4 address and exits.
 
 So neither the secret nor any forwarded value is on a command line (``ps``
 shows ``python3 -c ... ringcore-rank R`` and the program's own argv), and the
@@ -22,8 +22,8 @@ rank's stdin is ``/dev/null``.
 The agent starts the program in its own session (one process group), with
 the remote login's environment plus ``env``, in ``cwd`` when that exists
 there, bound to its share of this host's CPUs (:func:`rank_cores`, as
-``ringcore-run`` binds local ranks), and without address-space randomization
-where :func:`fixed_layout` says so. Then it waits for the first of:
+``ringcore-run`` binds local ranks), with or without address-space
+randomization as :func:`fixed_layout` says. Then it waits for the first of:
 
 - the program exits: whatever it left in its process group gets SIGTERM,
   then SIGKILL after ``grace`` s;
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import select
@@ -71,23 +72,51 @@ def rank_cores(size: int) -> list[set[int]]:
     return [set(usable[rank * share : (rank + 1) * share]) for rank in range(size)]
 
 
-def fixed_layout(aslr: str, size: int) -> bool:
-    """Whether this host's ``size`` ranks start without address-space randomization (``--aslr``,
-    :mod:`ringcore.run`): ``off``; ``auto`` where they outnumber the usable CPUs; never ``on``."""
-    return aslr == "off" or (aslr == "auto" and size > len(os.sched_getaffinity(0)))
+def fixed_layout(aslr: str, size: int) -> bool | None:
+    """How this host's ``size`` ranks start (``--aslr``, :mod:`ringcore.run`): True without
+    address-space randomization, False with it, None as the launcher itself runs.
+
+    ``off``: True; ``on``: False; ``auto``: True where the ranks outnumber the usable CPUs (the
+    affinity mask's: a container's CPU quota does not count), else None.
+    """
+    if aslr == "auto":
+        return True if size > len(os.sched_getaffinity(0)) else None
+    return aslr == "off"
+
+
+def set_layout(fixed: bool | None) -> int | None:
+    """Make the programs the calling thread starts next run without (True) or with (False)
+    address-space randomization; the persona before, to restore, or None where nothing changed.
+
+    Raises:
+        OSError: The kernel refused (Docker's default seccomp profile refuses this flag).
+    """
+    if fixed is None:
+        return None
+    before = personality()
+    wanted = before | ADDR_NO_RANDOMIZE if fixed else before & ~ADDR_NO_RANDOMIZE
+    if wanted == before:
+        return None
+    personality(wanted)
+    return before
 
 
 def personality(persona: int = QUERY) -> int:
-    """Set the calling thread's Linux persona (what the programs it starts inherit); the one before.
+    """Linux's ``personality(2)`` for the calling thread (what the programs it starts inherit): set
+    ``persona``, or with none only read it; the persona before.
 
     Raises:
         OSError: The kernel refused.
     """
-    libc = ctypes.CDLL(None, use_errno=True)
-    before = int(libc.personality(ctypes.c_ulong(persona)))
-    if before < 0:
-        raise OSError(ctypes.get_errno(), "personality(2) failed")
+    before = int(_libc().personality(ctypes.c_ulong(persona)))
+    if before < 0:  # glibc may return -errno without setting errno
+        raise OSError(ctypes.get_errno() or -before, "personality(2) refused")
     return before
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def interface_address(ifname: str) -> str | None:
@@ -130,10 +159,14 @@ def main() -> int:
 def run(job: dict) -> int:
     """Start ``job["argv"]`` and watch it until it ends or must stop; return its ``Popen.returncode``."""
     argv = job["argv"]
-    aslr, local_size = job.get("aslr") or ("on", 1)
-    if fixed_layout(aslr, local_size):  # before binding narrows the CPUs it counts
-        with contextlib.suppress(OSError):  # an optimisation, like binding; the agent starts nothing else
-            personality(personality() | ADDR_NO_RANDOMIZE)
+    aslr, local_size = job.get("aslr") or ("auto", 1)
+    try:  # the agent starts nothing else, so nothing to restore
+        set_layout(fixed_layout(aslr, local_size))  # before binding narrows the CPUs it counts
+    except OSError as err:  # an optimisation, like binding: rather started as it is than not at all
+        host = socket.gethostname()
+        print(
+            f"ringcore-run: --aslr {aslr}: cannot set the address layout on {host} ({err})", file=sys.stderr
+        )
     if job.get("bind"):
         local_rank, local_size = job["bind"]
         with contextlib.suppress(OSError):  # binding is an optimisation: rather unbound than not at all

@@ -40,18 +40,22 @@ the scheduler moves between cores run on cold caches (measured:
 ``--bind-to none`` never binds.
 
 Address layout (``--aslr``, ``RINGCORE_ASLR`` sets its default): with ``auto``, the
-default, ranks that outnumber the CPUs start without address-space
-randomization (``personality(ADDR_NO_RANDOMIZE)``, as ``setarch -R``), so
-every rank has the interpreter's code at the same addresses. Ranks that take
-turns on one core then keep each other's branch predictions warm instead of
-evicting them: at N=4 on 2 CPUs a 4 KiB allreduce takes 19 us against 33
-with each rank laid out at random, 1 MiB 0.88x the time (``bench/HISTORY.md``,
-"One address layout for crowded ranks"). With a core per rank nothing is
-shared and ``auto`` leaves randomization on. ``off`` starts every job this
-way, ``on`` never. The price is that exploit mitigation: such ranks have the same
-layout in every rank and every run; a host that must keep randomization for
-every process says ``--aslr on``.
-Under other launchers, ``setarch -R torchrun ...`` does the same.
+default, ranks that outnumber the CPUs of their host (its affinity mask; a
+container's CPU quota does not count) start without address-space
+randomization (``personality(ADDR_NO_RANDOMIZE)``, as ``setarch -R``), so every
+rank has the interpreter's code at the same addresses. Ranks that take turns on
+one core then most likely keep each other's branch predictions warm instead of
+evicting them (the VM measured has no counters to show it; ``bench/layout_turns.py``
+shows the effect without ringcore): at N=4 on 2 CPUs a 4 KiB allreduce takes
+19 us against 33 with each rank laid out at random, 1 MiB 0.88x the time
+(``bench/HISTORY.md``, "One address layout for crowded ranks"). With a core per
+rank nothing is shared and ``auto`` leaves the ranks as the launcher runs.
+``off`` starts every job without randomization, ``on`` every job with it. The
+price is that defence against memory-corruption exploits: such ranks, and every
+process they start, have addresses that are the same in every rank and every
+run, and can be worked out offline. A host that must keep it says ``--aslr on``.
+Where the kernel refuses the change (Docker's default seccomp profile), the
+launcher says so once and starts the ranks as it runs itself.
 
 Each rank runs in its own session, so it and everything it starts form one
 process group that the launcher can signal as a whole. Its stdin is

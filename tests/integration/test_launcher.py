@@ -189,6 +189,12 @@ def test_no_binding_when_told_by_flag_or_environment(monkeypatch: pytest.MonkeyP
     assert "RINGCORE_BIND_TO must be core or none, got 'sockets'" in refused.stderr
 
 
+def layout_settable() -> bool:
+    """Whether this kernel lets a process start programs without address randomization."""
+    code = "from ringcore.rank_agent import set_layout; set_layout(True)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0
+
+
 LAYOUT = (
     "import ctypes; libc = ctypes.CDLL(None); "
     "print(ctypes.cast(libc.getpid, ctypes.c_void_p).value, open('/proc/self/personality').read().strip())"
@@ -204,11 +210,14 @@ def layouts(proc: subprocess.CompletedProcess[str]) -> dict[int, tuple[int, int]
 
 def test_crowded_ranks_share_one_address_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--aslr auto``: ranks that outnumber the CPUs start with randomization off, so libc lies at
-    one address in every rank; with a CPU each (or ``--aslr on``) each rank is laid out at random."""
+    one address in every rank; with a CPU each (or ``--aslr on``) the ranks are laid out at random."""
     if Path("/proc/sys/kernel/randomize_va_space").read_text().strip() == "0":
         pytest.skip("this host randomizes no address space: nothing to tell apart")
     if int(Path("/proc/self/personality").read_text(), 16) & 0x0040000:
         pytest.skip("the tests run without address randomization (setarch -R)")
+    if not layout_settable():
+        pytest.skip("the kernel refuses ADDR_NO_RANDOMIZE here (a seccomp profile, e.g. Docker's)")
+    monkeypatch.delenv("RINGCORE_ASLR", raising=False)
     usable = len(os.sched_getaffinity(0))
     crowded = layouts(launch("-np", usable + 1, sys.executable, "-c", LAYOUT))
     assert len(crowded) == usable + 1 and {where for where, _ in crowded.values()} == {crowded[0][0]}
@@ -216,7 +225,7 @@ def test_crowded_ranks_share_one_address_layout(monkeypatch: pytest.MonkeyPatch)
     for args in (["-np", min(2, usable)], ["-np", usable + 1, "--aslr", "on"]):
         spread = layouts(launch(*args, sys.executable, "-c", LAYOUT))
         assert not any(fixed for _, fixed in spread.values()), args
-        assert len({where for where, _ in spread.values()}) == len(spread), (args, spread)
+        assert len(spread) < 2 or len({where for where, _ in spread.values()}) > 1, (args, spread)
     monkeypatch.setenv("RINGCORE_ASLR", "off")
     assert all(fixed for _, fixed in layouts(launch("-np", 2, sys.executable, "-c", LAYOUT)).values())
     monkeypatch.setenv("RINGCORE_ASLR", "no")
