@@ -32,7 +32,8 @@ model's layout as making the optimizer does, so make the model and the
 ``DistributedOptimizer`` between ``hvd.init()`` and ``train(state)`` with no
 other collective in between, as above: a worker that joins later then issues
 the same collectives as the ranks it joins. ``run`` and
-``HostsUpdatedInterrupt`` are :mod:`ringcore.elastic`'s.
+``HostsUpdatedInterrupt`` are :mod:`ringcore.elastic`'s. :class:`ElasticSampler`
+(:mod:`ringcore.torch.elastic_sampler`) resumes an epoch where the last commit left it.
 """
 
 from __future__ import annotations
@@ -44,18 +45,22 @@ import torch
 
 from ringcore.comm import Communicator
 from ringcore.elastic import HostsUpdatedInterrupt, State, run
+from ringcore.torch.elastic_sampler import ElasticSampler
+from ringcore.torch.objects import allgather_object, broadcast_object
 from ringcore.torch.parameters import broadcast_optimizer_state, broadcast_parameters
 
-__all__ = ["HostsUpdatedInterrupt", "State", "TorchState", "run"]
+__all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "State", "TorchState", "run"]
 
 
 class TorchState(State):
-    """A model, an optimizer and plain values that survive a change of world.
+    """A model, an optimizer, samplers and plain values that survive a change of world.
 
     Args:
         model: Its parameters and buffers are committed, restored and synced (``state_dict()``).
         optimizer: Its state (momentum, Adam's moments, hyper-parameters) likewise.
-        **values: More attributes, as for :class:`ringcore.elastic.State`.
+        **values: More attributes, as for :class:`ringcore.elastic.State`; an
+            :class:`ElasticSampler` among them is committed and restored by its ``state_dict()``
+            and synced as the union of every rank's processed samples (its module's docstring).
     """
 
     def __init__(
@@ -68,7 +73,16 @@ class TorchState(State):
         self.optimizer = optimizer
         self._model_saved: dict[str, Any] | None = None
         self._optimizer_saved: dict[str, Any] | None = None
-        super().__init__(**values)
+        samplers = {name: value for name, value in values.items() if isinstance(value, ElasticSampler)}
+        for name in samplers:
+            if name.startswith("_") or hasattr(type(self), name):
+                raise ValueError(
+                    f"TorchState({name}=...): that name is taken by State itself; choose another"
+                )
+        self.__dict__.update(samplers)
+        self._samplers = tuple(sorted(samplers))
+        self._samplers_saved: dict[str, dict[str, Any]] = {}
+        super().__init__(**{name: value for name, value in values.items() if name not in samplers})
 
     def save(self) -> None:
         super().save()
@@ -76,9 +90,12 @@ class TorchState(State):
             self._model_saved = copy.deepcopy(self.model.state_dict())
         if self.optimizer is not None:
             self._optimizer_saved = copy.deepcopy(self.optimizer.state_dict())
+        self._samplers_saved = {name: getattr(self, name).state_dict() for name in self._samplers}
 
     def restore(self) -> None:
         super().restore()
+        for name, saved in self._samplers_saved.items():
+            getattr(self, name).load_state_dict(saved)
         if self.model is not None and self._model_saved is not None:
             self.model.load_state_dict(self._model_saved)
         if self.optimizer is not None and self._optimizer_saved is not None:
@@ -98,3 +115,8 @@ class TorchState(State):
             broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.optimizer is not None:
             broadcast_optimizer_state(self.optimizer, root_rank=0)
+        for name in self._samplers:  # every rank's committed samples, rank 0's epoch, the new world's shards
+            sampler = getattr(self, name)
+            done = set().union(*allgather_object(comm, sampler.processed_indices, f"elastic: {name} samples"))
+            epoch = broadcast_object(comm, sampler.epoch, 0, f"elastic: {name} epoch")
+            sampler.load_state_dict({"epoch": epoch, "processed_indices": done})

@@ -377,3 +377,18 @@ def timeline_overlap(comm: Any, template: str, steps: int) -> dict[str, Any]:
         if e.get("ph") == "X" and e.get("cat") == "collective" and e["name"].startswith("allreduce")
     ]
     return {"spans": spans, "events": events}
+
+
+def sampler_sync(comm: Any, samples: int, batch: int) -> dict[str, Any]:
+    """Each rank commits its first batch, then records a second it never commits, then syncs."""
+    hvd = _hvd()
+    import ringcore.torch.elastic  # noqa: F401 - hvd.elastic
+
+    sampler = hvd.elastic.ElasticSampler(range(samples), seed=7)
+    state = hvd.elastic.TorchState(sampler=sampler, epoch=0)
+    first = sampler.indices[:batch]
+    sampler.record_batch(0, batch)
+    state.save()
+    sampler.record_batch(1, batch)  # lost: never committed
+    state.sync()
+    return {"first": first, "done": sorted(state.sampler.processed_indices), "shard": list(state.sampler)}
