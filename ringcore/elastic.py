@@ -44,7 +44,7 @@ ends the job as it would without ``ringcore.elastic``.
 
 What a rollback keeps: the attributes given to :class:`State` as they were at
 the last commit (numpy arrays restored in place, so references to them stay
-valid); ``ringcore.torch.elastic.TorchState`` adds a model and an optimizer.
+valid); ``ringcore.torch.elastic.TorchState`` adds a model, an optimizer and samplers.
 Work done after the last commit is done again, on the new world's shards.
 """
 

@@ -24,7 +24,7 @@ Which file does what: ``basics`` (init, rank..., ops, compression),
 allgather, broadcast, reducescatter, barrier, join, objects), ``joining`` (how a
 rank out of data serves the others), ``fusion`` (gradient buckets),
 ``optimizer`` (DistributedOptimizer), ``elastic`` (TorchState for
-``ringcore-run --min-np``), ``parameters`` (broadcast_parameters,
+``ringcore-run --min-np``), ``elastic_sampler`` (ElasticSampler), ``parameters`` (broadcast_parameters,
 broadcast_optimizer_state), ``objects`` (pickled objects, model layout
 checks), ``sync_batch_norm``, ``process_group`` (the torch.distributed
 backend) with ``work`` (its Work objects) and ``launcher_env`` (torch's

@@ -22,10 +22,10 @@
 
     train(state)
 
-:class:`TorchState` is :class:`ringcore.elastic.State` plus a model and an
-optimizer: a commit keeps copies of both ``state_dict()``s, a rollback loads
-them back, and a sync takes rank 0's with ``broadcast_parameters`` and
-``broadcast_optimizer_state``. After each new rendezvous a
+:class:`TorchState` is :class:`ringcore.elastic.State` plus a model, an
+optimizer and samplers: a commit keeps copies of their ``state_dict()``s, a
+rollback loads them back, and a sync takes rank 0's (the model's and the
+optimizer's with ``broadcast_parameters`` and ``broadcast_optimizer_state``). After each new rendezvous a
 ``DistributedOptimizer`` is moved to the new communicator
 (``optimizer.rebind()``) before the reset callbacks run; that checks the
 model's layout as making the optimizer does, so make the model and the
@@ -46,7 +46,7 @@ import torch
 from ringcore.comm import Communicator
 from ringcore.elastic import HostsUpdatedInterrupt, State, run
 from ringcore.torch.elastic_sampler import ElasticSampler
-from ringcore.torch.objects import allgather_object, broadcast_object
+from ringcore.torch.objects import broadcast_object
 from ringcore.torch.parameters import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "State", "TorchState", "run"]
@@ -60,7 +60,10 @@ class TorchState(State):
         optimizer: Its state (momentum, Adam's moments, hyper-parameters) likewise.
         **values: More attributes, as for :class:`ringcore.elastic.State`; an
             :class:`ElasticSampler` among them is committed and restored by its ``state_dict()``
-            and synced as the union of every rank's processed samples (its module's docstring).
+            and synced from rank 0 (:mod:`ringcore.torch.elastic_sampler`).
+
+    Raises:
+        ValueError: A name starts with ``_`` or is one of this class's methods.
     """
 
     def __init__(
@@ -81,7 +84,7 @@ class TorchState(State):
                 )
         self.__dict__.update(samplers)
         self._samplers = tuple(sorted(samplers))
-        self._samplers_saved: dict[str, dict[str, Any]] = {}
+        self._samplers_saved: dict[str, dict[str, int]] = {}
         super().__init__(**{name: value for name, value in values.items() if name not in samplers})
 
     def save(self) -> None:
@@ -115,8 +118,7 @@ class TorchState(State):
             broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.optimizer is not None:
             broadcast_optimizer_state(self.optimizer, root_rank=0)
-        for name in self._samplers:  # every rank's committed samples, rank 0's epoch, the new world's shards
-            sampler = getattr(self, name)
-            done = set().union(*allgather_object(comm, sampler.processed_indices, f"elastic: {name} samples"))
-            epoch = broadcast_object(comm, sampler.epoch, 0, f"elastic: {name} epoch")
-            sampler.load_state_dict({"epoch": epoch, "processed_indices": done})
+        if self._samplers:  # rank 0's place in each epoch, as its model: the new world shards the rest
+            mine = {name: getattr(self, name).state_dict() for name in self._samplers}
+            for name, state in broadcast_object(comm, mine, 0, "elastic: samplers").items():
+                getattr(self, name).load_state_dict(state)

@@ -1,8 +1,9 @@
-"""``ElasticSampler``: this rank's shard of the samples an epoch has not processed yet (Horovod's
+"""``ElasticSampler``: this rank's shard of what an epoch has left (Horovod's
 ``hvd.elastic.ElasticSampler``).
 
 ::
 
+    hvd.init()
     sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True)
     loader = torch.utils.data.DataLoader(dataset, batch_size=32, sampler=sampler)
     state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0)
@@ -18,26 +19,29 @@
             state.sampler.set_epoch(state.epoch)
             state.commit()
 
-Every rank draws one order (a permutation seeded by ``seed + epoch``) of the
-samples not yet processed, pads it to a multiple of the world size with its
-own first samples, as ``DistributedSampler`` does, and takes every ``size``-th
-from its rank. ``record_batch`` marks the samples of this rank's batch done. In
-a :class:`~ringcore.torch.elastic.TorchState` a commit keeps the sampler's
-``state_dict()``, a rollback loads it back, and a sync (after a change of
-world) takes the union of every rank's committed samples and rank 0's epoch,
-then shards what is left over the new world: no sample is trained twice in an
-epoch, nor skipped, across the change, beyond the last commit's batches.
+Design. An epoch has one order of the whole dataset, the same on every rank
+(a permutation seeded by ``seed + epoch``, or the dataset's order). Rank ``r``
+of ``N`` takes every ``N``-th sample of what is left from position ``r``,
+padded to equal lengths with the first samples left, as ``DistributedSampler``
+pads. So after every rank has run ``k`` batches of ``B`` samples, exactly the
+first ``processed`` = ``k * B * N`` samples of the order are done, whichever
+rank ran which, and the sampler's whole state is ``(epoch, processed)``, the
+same on every rank. In a :class:`~ringcore.torch.elastic.TorchState` a commit
+keeps it, a rollback loads it back, and a sync takes rank 0's, as it takes
+rank 0's model: after a change of world (a rank lost or added) the new world
+shards the rest of the same order, so the epoch goes on from the samples of
+the model every rank now holds, none twice and none skipped.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
 
-import ringcore
+from ringcore.torch import basics
 
 
 class ElasticSampler(torch.utils.data.Sampler[int]):
@@ -47,7 +51,11 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         dataset: Anything with ``len()``.
         shuffle: A new order each epoch (the same on every rank), else the dataset's order.
         seed: The shuffle's seed; epoch ``e`` uses ``seed + e``.
-        num_replicas, rank: The world (default: the job's, read again at each :meth:`reset`).
+        num_replicas, rank: The world (default: the job's, read again at each :meth:`reset`,
+            so ``hvd.init()`` comes first).
+
+    Raises:
+        ValueError: ``rank`` is not in ``[0, num_replicas)``.
     """
 
     def __init__(
@@ -61,49 +69,60 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
         self._world = (num_replicas, rank)
         self.epoch = 0
-        self.processed_indices: set[int] = set()
+        self.processed = 0  # the first ``processed`` samples of the epoch's order are done
+        self.num_replicas = self.rank = self.num_samples = 0
         self.indices: list[int] = []
+        self._start = 0  # ``processed`` when this pass over the shard began
         self.reset()
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch``: nothing processed, a new order."""
-        self.epoch = epoch
-        self.processed_indices = set()
+        """Go to epoch ``epoch``: a new epoch starts afresh, the current one keeps what it has done
+        (so calling it at the top of each epoch, as with ``DistributedSampler``, loses nothing)."""
+        if epoch != self.epoch:
+            self.epoch, self.processed = epoch, 0
         self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
-        """Mark done the samples of this rank's batch ``batch_idx`` of ``batch_size`` (this epoch's order)."""
-        start = batch_idx * batch_size
-        self.record_indices(self.indices[start : start + batch_size])
+        """Mark done batch ``batch_idx`` (counted from 0 in this pass over the shard: a loop over the
+        loader restarts at 0 after a sync) of ``batch_size`` samples, on every rank at once."""
+        done = self._start + (batch_idx + 1) * batch_size * self.num_replicas
+        self.processed = max(self.processed, min(len(self.dataset), done))
 
-    def record_indices(self, indices: Iterable[int]) -> None:
-        """Mark ``indices`` (dataset positions) done."""
-        self.processed_indices.update(int(index) for index in indices)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
+    def state_dict(self) -> dict[str, int]:
+        """What a commit keeps: ``{"epoch": ..., "processed": ...}``."""
+        return {"epoch": self.epoch, "processed": self.processed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch = int(state["epoch"])
-        self.processed_indices = set(state["processed_indices"])
+        """Take ``state`` (a :meth:`state_dict`) and shard what it leaves over the world as it is now."""
+        self.epoch, self.processed = int(state["epoch"]), int(state["processed"])
         self.reset()
 
     def reset(self) -> None:
-        """Shard what is left of the epoch over the world as it is now (after a change of world too)."""
+        """Shard what is left of the epoch over the world as it is now (after a change of world too).
+
+        Raises:
+            ValueError: This rank is not in the world.
+        """
         replicas, rank = self._world
-        self.num_replicas = ringcore.size() if replicas is None else replicas
-        self.rank = ringcore.rank() if rank is None else rank
+        self.num_replicas = basics.size() if replicas is None else replicas
+        self.rank = basics.rank() if rank is None else rank
         if not 0 <= self.rank < self.num_replicas:
-            raise ValueError(f"ElasticSampler: rank {self.rank} is outside a world of {self.num_replicas}")
-        left = [index for index in range(len(self.dataset)) if index not in self.processed_indices]
+            raise ValueError(
+                f"ElasticSampler: rank {self.rank} is outside a world of {self.num_replicas}; "
+                "pass 0 <= rank < num_replicas, or neither to use the job's"
+            )
+        count = len(self.dataset)
         if self.shuffle:
-            order = torch.randperm(len(left), generator=torch.Generator().manual_seed(self.seed + self.epoch))
-            left = [left[k] for k in order.tolist()]
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(count, generator=generator).tolist()
+        else:
+            order = list(range(count))
+        left = order[self.processed :]
         self.num_samples = math.ceil(len(left) / self.num_replicas)
-        padded = (left * (1 + self.num_samples * self.num_replicas // max(1, len(left))))[
-            : self.num_samples * self.num_replicas
-        ]
+        total = self.num_samples * self.num_replicas
+        padded = (left * (1 + total // max(1, len(left))))[:total]
         self.indices = padded[self.rank :: self.num_replicas]
+        self._start = self.processed
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices)

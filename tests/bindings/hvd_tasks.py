@@ -380,15 +380,17 @@ def timeline_overlap(comm: Any, template: str, steps: int) -> dict[str, Any]:
 
 
 def sampler_sync(comm: Any, samples: int, batch: int) -> dict[str, Any]:
-    """Each rank commits its first batch, then records a second it never commits, then syncs."""
+    """Rank 0 is in epoch 2 with one batch committed and a second not; the last rank joins fresh
+    (epoch 0, nothing done); the others are in epoch 2 too. Then a sync, as after a change of world."""
     hvd = _hvd()
     import ringcore.torch.elastic  # noqa: F401 - hvd.elastic
 
     sampler = hvd.elastic.ElasticSampler(range(samples), seed=7)
     state = hvd.elastic.TorchState(sampler=sampler, epoch=0)
-    first = sampler.indices[:batch]
-    sampler.record_batch(0, batch)
-    state.save()
-    sampler.record_batch(1, batch)  # lost: never committed
+    if comm.rank < comm.size - 1:
+        sampler.set_epoch(2)
+        sampler.record_batch(0, batch)
+        state.save()
+        sampler.record_batch(1, batch)  # lost: never committed
     state.sync()
-    return {"first": first, "done": sorted(state.sampler.processed_indices), "shard": list(state.sampler)}
+    return {"state": state.sampler.state_dict(), "shard": list(state.sampler)}
