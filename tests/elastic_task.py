@@ -7,7 +7,9 @@ The model is a vector ``w`` (64 Ki float32) pulled towards per-sample targets;
 each rank averages its shard of the batch's samples and the ranks average
 their gradients with ``ringcore.allreduce``. With ``--torch`` it is a small
 MLP trained by ``ringcore.torch``'s ``DistributedOptimizer`` (SGD with
-momentum) in a ``TorchState``. ``--hold-until-size N``: after the last
+momentum) in a ``TorchState``, with an ``ElasticSampler`` counting the epoch's
+samples: each step checks that it has done exactly the committed batches' (a
+wrong count after a rollback or a change of world fails the worker). ``--hold-until-size N``: after the last
 batch the ranks keep committing until the world has N ranks. Every worker writes
 ``OUT_DIR/pid.<worker>`` at start and, once training returns,
 ``OUT_DIR/final.<worker>.json`` (epoch, batch, steps, digest of the
@@ -158,6 +160,8 @@ def main() -> None:
                 time.sleep(args.step_seconds)
                 state.commit()
             state.epoch, state.batch = state.epoch + 1, 0
+            if (sampler := getattr(state, "sampler", None)) is not None:
+                sampler.set_epoch(state.epoch)
             state.commit()
         while ringcore.size() < args.hold_until_size:
             time.sleep(args.step_seconds)
@@ -174,6 +178,7 @@ def main() -> None:
         "size": ringcore.size(),
         "generation": rendezvous.generation if rendezvous is not None else 0,
         "resets": resets,
+        "sampler": state.sampler.state_dict() if args.torch else None,
     }
     (args.out / f"final.{WORKER}.json").write_text(json.dumps(final))
     print(f"final epoch={state.epoch} steps={state.steps} size={final['size']} digest={final['digest'][:12]}")
@@ -204,9 +209,17 @@ def torch_model() -> tuple[Any, Any, Any]:
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-    state = ringcore.torch.elastic.TorchState(model, optimizer, epoch=0, batch=0, steps=0)
+    sampler = ringcore.torch.elastic.ElasticSampler(range(1 << 12), seed=1)  # more samples than any epoch's
+    state = ringcore.torch.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0, steps=0)
+    here: dict[str, Any] = {"indices": None, "batch": 0}  # this pass over the sampler's shard
 
     def step(state: Any) -> None:
+        if sampler.indices is not here["indices"]:  # resharded (epoch, rollback, sync): a new pass
+            here["indices"], here["batch"] = sampler.indices, 0
+        sampler.record_batch(here["batch"], SAMPLES // hvd.size())
+        here["batch"] += 1
+        if sampler.processed != (state.batch + 1) * SAMPLES or sampler.epoch != state.epoch:
+            raise AssertionError(f"sampler {sampler.state_dict()} at epoch {state.epoch} batch {state.batch}")
         rng = torch.Generator().manual_seed(state.epoch * 1000 + state.batch)
         x, y = torch.randn(SAMPLES, 32, generator=rng), torch.randint(0, 4, (SAMPLES,), generator=rng)
         rank, size = hvd.rank(), hvd.size()

@@ -250,7 +250,8 @@ def test_torch_state_survives_a_kill_and_takes_in_the_replacement(tmp_path: Path
     proc = run(launcher(port, *args, *task(out, "--torch", "--kill", "1:0:4", "--hold-until-size", "3")), 110)
     assert proc.returncode == 0, proc.stderr
     assert generations(proc.stderr) == [[0, 1, 2], [0, 2], [0, 2, 3]]
-    assert_consistent(out, [0, 2, 3])
+    found = assert_consistent(out, [0, 2, 3])
+    assert all(found[w]["sampler"] == {"epoch": 3, "processed": 0} for w in (0, 2, 3)), found
     assert_nothing_left(out, port)
 
 
