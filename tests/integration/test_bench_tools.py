@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ringcore.config import Settings
+from tests.layout_support import skip_unless_layout_settable
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -212,9 +213,7 @@ def test_ab_floor_checks_both_engines_and_prints_the_ratio_per_block() -> None:
 
 
 def test_layout_turns_times_pairs_in_random_and_one_layout_and_one_alone() -> None:
-    probe = "from ringcore.rank_agent import set_layout; set_layout(True)"
-    if subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=60).returncode:
-        pytest.skip("the kernel refuses ADDR_NO_RANDOMIZE here (a seccomp profile, e.g. Docker's)")
+    skip_unless_layout_settable()
     proc = _run_bench([sys.executable, "bench/layout_turns.py", "1"], timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     row = re.fullmatch(r" *([\d.]+) ([\d.]+) \| +([\d.]+) ([\d.]+) \| ([\d.]+)", proc.stdout.splitlines()[-1])

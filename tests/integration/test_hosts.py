@@ -33,6 +33,7 @@ import pytest
 from ringcore import hosts, rank_agent, remote
 from ringcore.run import parse_args
 from tests.cluster import alive
+from tests.layout_support import skip_unless_layout_settable
 from tests.netns_hosts import SshCluster, ssh_cluster, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -261,14 +262,10 @@ def test_agent_reports_the_exit_and_stops_what_the_rank_left(tmp_path: Path) -> 
     assert b"command not found on" in err and err.endswith(b"\0mark:exit 127\n")
 
 
-SET_LAYOUT = "from ringcore.rank_agent import set_layout; set_layout(True)"
-
-
 @pytest.mark.timeout(60)
 def test_agent_starts_crowded_ranks_without_address_randomization(tmp_path: Path) -> None:
     """The agent decides ``--aslr`` on its own host, from the CPUs it had before binding."""
-    if subprocess.run([sys.executable, "-c", SET_LAYOUT], capture_output=True, timeout=60).returncode:
-        pytest.skip("the kernel refuses ADDR_NO_RANDOMIZE here (a seccomp profile, e.g. Docker's)")
+    skip_unless_layout_settable()
     code = "import sys; sys.stderr.write(open('/proc/self/personality').read().strip())"
     persona = int(Path("/proc/self/personality").read_text(), 16)
     bit = rank_agent.ADDR_NO_RANDOMIZE

@@ -21,6 +21,7 @@ import pytest
 
 from ringcore.run import parse_args
 from tests.cluster import alive
+from tests.layout_support import skip_unless_layout_settable
 
 LAUNCH_TIMEOUT = 60
 
@@ -189,12 +190,6 @@ def test_no_binding_when_told_by_flag_or_environment(monkeypatch: pytest.MonkeyP
     assert "RINGCORE_BIND_TO must be core or none, got 'sockets'" in refused.stderr
 
 
-def layout_settable() -> bool:
-    """Whether this kernel lets a process start programs without address randomization."""
-    code = "from ringcore.rank_agent import set_layout; set_layout(True)"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0
-
-
 LAYOUT = (
     "import ctypes; libc = ctypes.CDLL(None); "
     "print(ctypes.cast(libc.getpid, ctypes.c_void_p).value, open('/proc/self/personality').read().strip())"
@@ -215,8 +210,7 @@ def test_crowded_ranks_share_one_address_layout(monkeypatch: pytest.MonkeyPatch)
         pytest.skip("this host randomizes no address space: nothing to tell apart")
     if int(Path("/proc/self/personality").read_text(), 16) & 0x0040000:
         pytest.skip("the tests run without address randomization (setarch -R)")
-    if not layout_settable():
-        pytest.skip("the kernel refuses ADDR_NO_RANDOMIZE here (a seccomp profile, e.g. Docker's)")
+    skip_unless_layout_settable()
     monkeypatch.delenv("RINGCORE_ASLR", raising=False)
     usable = len(os.sched_getaffinity(0))
     crowded = layouts(launch("-np", usable + 1, sys.executable, "-c", LAYOUT))

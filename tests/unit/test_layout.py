@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ringcore import processes, rank_agent
+from ringcore import processes
 from ringcore.rank_agent import ADDR_NO_RANDOMIZE, fixed_layout, set_layout
+from tests.layout_support import skip_unless_layout_settable
 
 
 def thread_persona() -> int:
@@ -42,22 +43,8 @@ def test_auto_fixes_the_layout_only_where_ranks_outnumber_the_cpus(monkeypatch: 
     assert fixed_layout("on", 9) is False
 
 
-def settable() -> bool:
-    """Whether this kernel lets a thread set ADDR_NO_RANDOMIZE (Docker's seccomp profile does not)."""
-    persona = rank_agent.personality()
-    try:
-        rank_agent.personality(persona | ADDR_NO_RANDOMIZE)
-    except OSError:
-        return False
-    rank_agent.personality(persona)
-    return True
-
-
-needs_flag = pytest.mark.skipif(not settable(), reason="the kernel refuses ADDR_NO_RANDOMIZE here (seccomp)")
-
-
-@needs_flag
 def test_set_layout_sets_and_clears_the_flag_for_the_calling_thread_alone() -> None:
+    skip_unless_layout_settable()
     mine = thread_persona()
 
     def body() -> None:
@@ -74,8 +61,9 @@ def test_set_layout_sets_and_clears_the_flag_for_the_calling_thread_alone() -> N
     assert thread_persona() == mine, "another thread's persona stays as it was"
 
 
-@needs_flag
 def test_laid_out_holds_the_layout_for_the_block_and_restores_the_thread() -> None:
+    skip_unless_layout_settable()
+
     def body() -> None:
         start = thread_persona()
         with processes._laid_out(not start & ADDR_NO_RANDOMIZE, pytest.fail):
